@@ -1,0 +1,109 @@
+"""Interleaved benchmarking: all models in one process, round-robin, spinning off, medians and ratios.
+
+On a VM with slow phases, timing one model after another is unreliable; interleaving exposes every
+model to the same phases, and the ratio to the first model is what we report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from graphopt import runtime
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """Timing of one model over every round (one round = every feed once)."""
+
+    name: str
+    round_seconds: list[float]
+    items_per_round: int
+
+    @property
+    def p50(self) -> float:
+        return float(np.median(self.round_seconds))
+
+    @property
+    def p90(self) -> float:
+        return float(np.percentile(self.round_seconds, 90))
+
+    @property
+    def throughput(self) -> float:
+        return self.items_per_round / self.p50 if self.p50 > 0 else float("inf")
+
+    def as_dict(self, base: BenchResult | None = None) -> dict:
+        d = {
+            "model": self.name,
+            "p50_ms": 1e3 * self.p50,
+            "p90_ms": 1e3 * self.p90,
+            "items_per_s": self.throughput,
+            "rounds": len(self.round_seconds),
+        }
+        if base is not None:
+            d["speedup_vs_first"] = base.p50 / self.p50 if self.p50 > 0 else float("inf")
+        return d
+
+
+def _items(feed: Mapping[str, np.ndarray]) -> int:
+    for v in feed.values():
+        a = np.asarray(v)
+        if a.ndim >= 1:
+            return int(a.shape[0])
+    return 1
+
+
+def bench_sessions(
+    sessions: Mapping[str, object],
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    *,
+    rounds: int = 20,
+    warmup: int = 2,
+    min_seconds: float = 0.0,
+) -> list[BenchResult]:
+    """Round-robin over sessions; each turn runs every feed once through one session.
+
+    The order of sessions rotates each round so none always runs first.
+    """
+    names = list(sessions)
+    prepared = {}
+    for n, s in sessions.items():
+        wanted = {i.name for i in s.get_inputs()}
+        prepared[n] = [{k: v for k, v in f.items() if k in wanted} for f in feeds]
+    items = sum(_items(f) for f in feeds)
+    for _ in range(warmup):
+        for n in names:
+            for f in prepared[n]:
+                sessions[n].run(None, f)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    t_begin = time.perf_counter()
+    r = 0
+    while r < rounds or (time.perf_counter() - t_begin) < min_seconds:
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            t0 = time.perf_counter()
+            for f in prepared[n]:
+                sessions[n].run(None, f)
+            times[n].append(time.perf_counter() - t0)
+        r += 1
+    return [BenchResult(n, times[n], items) for n in names]
+
+
+def bench_models(
+    models: Mapping[str, object],
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    *,
+    threads: int = 1,
+    rounds: int = 20,
+    warmup: int = 2,
+    provider: str = "cpu",
+) -> list[BenchResult]:
+    """Make one session per model (ORT_ENABLE_ALL, intra-op spinning off) and bench them interleaved."""
+    sessions = {
+        name: runtime.make_session(m, provider=provider, threads=threads, optimize=True, spinning=False)
+        for name, m in models.items()
+    }
+    return bench_sessions(sessions, feeds, rounds=rounds, warmup=warmup)

@@ -1,0 +1,1 @@
+"""The ``graphopt`` command line: one module per command; ``main`` wires them."""

@@ -1,0 +1,71 @@
+"""`graphopt diff A B`: what changed between two models (structure, optionally numerics).
+
+Exit codes: 0 ok (also when the models differ), 1 error (unreadable model, runtime failure),
+2 usage, 3 only with ``--fail-on-drift`` when ``--numeric`` finds a graph output beyond tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from graphopt.cli.options import Calib
+from graphopt.errors import EXIT_VERIFY
+
+
+def command(
+    a: Annotated[Path, typer.Argument(help="Model A (before), an .onnx file.")],
+    b: Annotated[Path, typer.Argument(help="Model B (after), an .onnx file.")],
+    numeric: Annotated[bool, typer.Option("--numeric", help="Run both models and compare shared tensors.")] = False,
+    calib: Calib = None,
+    json_file: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON diff to FILE ('-' = stdout).",
+                                                      metavar="FILE")] = None,
+    html_file: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report to FILE.",
+                                                      metavar="FILE")] = None,
+    mapping_file: Annotated[Optional[Path], typer.Option("--mapping", metavar="FILE",
+                                                         help="Write a Model Explorer node-mapping JSON.")] = None,
+    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance for --numeric.")] = 1e-4,
+    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance for --numeric.")] = 1e-4,
+    fail_on_drift: Annotated[bool, typer.Option("--fail-on-drift",
+                                                help="Exit 3 when --numeric finds an output beyond tolerance.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No terminal report.")] = False,
+) -> None:
+    """Diff two ONNX models: rewritten regions and the passes that made them, op/initializer/IO/FLOP
+    deltas, and with --numeric the first tensor that drifts beyond tolerance."""
+    from graphopt.diff import diff_models, output
+    from graphopt.errors import UsageError
+
+    if calib is not None and not numeric:
+        raise UsageError("--calib needs --numeric", hint="add --numeric to compare tensors on those feeds")
+    if fail_on_drift and not numeric:
+        raise UsageError("--fail-on-drift needs --numeric")
+    feeds = None
+    if calib is not None:
+        from graphopt.feeds import load_dir
+
+        feeds = load_dir(calib)
+    result = diff_models(a, b, numeric=numeric, feeds=feeds, atol=atol, rtol=rtol)
+    if json_file is not None:
+        if str(json_file) == "-":
+            typer.echo(result.to_json())
+        else:
+            output.write_text(json_file, result.to_json() + "\n")
+    if html_file is not None:
+        from graphopt.diff import html
+
+        output.write_text(html_file, html.render_html(result))
+    if mapping_file is not None:
+        from graphopt.diff import mapping
+
+        output.write_text(mapping_file, mapping.to_json(result))
+    if not quiet and str(json_file) != "-":
+        from graphopt.diff import terminal
+
+        terminal.render(result)
+        for what, f in (("JSON", json_file), ("HTML", html_file), ("mapping", mapping_file)):
+            if f is not None:
+                typer.echo(f"{what} written to {f}")
+    if fail_on_drift and result.drift:
+        raise typer.Exit(EXIT_VERIFY)

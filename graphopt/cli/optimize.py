@@ -1,0 +1,94 @@
+"""``graphopt optimize``: run a recipe on a model, verified pass by pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from graphopt.cli.options import Budget, Calib, Provider
+
+EPILOG = """\
+Examples:
+
+  graphopt optimize model.onnx -o model.opt.onnx
+
+  graphopt optimize model.onnx -o out.onnx --passes cleanup --report report.json
+
+  graphopt optimize model.onnx -o out.onnx --set cleanup.cse=false --calib feeds/
+
+  graphopt optimize model.onnx -o out.onnx --recipe my_recipe.toml --verify structure
+"""
+
+
+def command(
+    model: Annotated[Path, typer.Argument(help="Input ONNX model.", show_default=False)],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output ONNX file.")] = None,
+    passes: Annotated[Optional[str], typer.Option("--passes", help="Comma-separated pass names (instead of the default recipe).")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", help="Recipe TOML file or builtin recipe name.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Pass option PASS.KEY=VALUE (repeatable).")] = None,
+    calib: Calib = None,
+    budget: Budget = None,
+    provider: Provider = "cpu",
+    verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
+    report: Annotated[Optional[Path], typer.Option("--report", help="Write the JSON report here.")] = None,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="Roll back a failing pass and continue (exit 0).")] = False,
+    debug_dir: Annotated[Optional[Path], typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
+    explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
+    external_data: Annotated[Optional[bool], typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No table on stdout.")] = False,
+) -> None:
+    """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.
+
+    Every pass is verified (ONNX checker, shape inference, an ONNX Runtime session, numeric parity
+    with the model before it). A pass that fails is rolled back; the run exits 3 and writes no
+    output unless --keep-going.
+    """
+    from rich.console import Console
+
+    from graphopt import io, pipeline
+    from graphopt import recipe as recipe_mod
+    from graphopt.errors import EXIT_VERIFY, UsageError
+    from graphopt.metrics import parse_budget
+
+    if output is None and not in_place:
+        raise UsageError("no output path", hint="give -o OUT.onnx (or --in-place to replace the input)")
+    out = output if output is not None else model
+    if passes and recipe:
+        raise UsageError("--passes and --recipe are exclusive", hint="use one of them")
+    parsed_budget = parse_budget(budget)
+    io.check_output_path(model, out, in_place=in_place)
+    rec = recipe_mod.load(recipe) if recipe else None
+
+    console = Console(stderr=True)
+    with console.status("optimizing…") as status:
+        result = pipeline.optimize(
+            model,
+            rec,
+            passes=passes,
+            overrides=set_ or [],
+            calib=calib,
+            budget=parsed_budget,
+            provider=provider,
+            verify_level=verify,
+            keep_going=keep_going,
+            debug_dir=debug_dir,
+            explain=explain,
+            on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"),
+        )
+    rep = result.report
+    if result.ok:
+        io.save(result.model, out, external_data=external_data, src=model, in_place=in_place)
+        rep.output = str(out)
+    if report is not None:
+        rep.save(report)
+    if not quiet:
+        rep.render(Console())
+    if not result.ok:
+        failed = rep.failed()[0]
+        console.print(f"[bold red]error:[/] pass {failed.name!r} {failed.status}: {failed.error}", highlight=False)
+        console.print("[dim]hint: no output written; --keep-going writes the model without that pass, "
+                      "--debug-dir saves the before/after pair[/]", highlight=False)
+        raise typer.Exit(EXIT_VERIFY)

@@ -1,0 +1,47 @@
+"""``graphopt passes``: list the registered passes with their options."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def command(json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """List every pass: name, lossless or lossy, one-line summary, options with defaults."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from graphopt import recipe as recipe_mod
+    from graphopt import registry
+
+    passes = registry.all_passes()
+    default = set(recipe_mod.default().pass_names())
+    rows = [
+        {
+            "name": name,
+            "exact": cls.exact,
+            "default": name in default,
+            "summary": cls.summary(),
+            "options": {k: v for k, v in cls.options().items()},
+            "emits": list(cls.emits),
+        }
+        for name, cls in passes.items()
+    ]
+    if json_:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    t = Table(title="graphopt passes", title_justify="left")
+    for c in ("pass", "kind", "default", "summary", "options"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(
+            r["name"],
+            "lossless" if r["exact"] else "lossy",
+            "yes" if r["default"] else "",
+            r["summary"],
+            ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "-",
+        )
+    Console().print(t)

@@ -1,0 +1,145 @@
+"""Graph diff: what changed between two ONNX models, structurally and numerically.
+
+``diff_models(a, b)`` matches the nodes of B against A, groups the unmatched ones into rewritten
+regions (named after the pass that made them, from the ``graphopt.pass`` node metadata), and
+summarises op-histogram, initializer, IO-signature, parameter, FLOP and subgraph deltas. With
+``numeric=True`` both models run on the same feeds and every intermediate tensor they share is
+compared, to find the first one that drifts beyond tolerance.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt.diff import structural
+from graphopt.diff.result import SCHEMA_VERSION, DiffResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SCHEMA_VERSION", "DiffResult", "diff_models"]
+
+
+def _as_model(m: ir.Model | str | os.PathLike) -> tuple[ir.Model, str]:
+    if isinstance(m, ir.Model):
+        return m, m.graph.name or "model"
+    from graphopt import io
+
+    return io.load(m), str(m)
+
+
+def _opsets(model: ir.Model) -> dict[str, int]:
+    return {(k or "ai.onnx"): v for k, v in sorted(model.opset_imports.items())}
+
+
+def _node_records(nodes: list[ir.Node], side: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": f"{side}{i}",
+            "name": n.name or "",
+            "op": structural.op_key(n),
+            "status": "unchanged",
+            "match": None,
+            "region": None,
+            "pass": structural.pass_of(n),
+            "changes": [],
+            "inputs": [v.name if v is not None else "" for v in n.inputs],
+            "outputs": [v.name or "" for v in n.outputs],
+        }
+        for i, n in enumerate(nodes)
+    ]
+
+
+def diff_models(
+    a: ir.Model | str | os.PathLike,
+    b: ir.Model | str | os.PathLike,
+    *,
+    numeric: bool = False,
+    feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    flop_batch: int = structural.FLOP_BATCH,
+    flop_seq: int = structural.FLOP_SEQ,
+) -> DiffResult:
+    """Diff model ``a`` (before) against ``b`` (after); paths are loaded with ``graphopt.io.load``.
+
+    ``numeric``: also run both on ``feeds`` (default: generated from A's inputs) and compare the
+    tensors both graphs still have, with ``atol``/``rtol``.
+    """
+    ma, label_a = _as_model(a)
+    mb, label_b = _as_model(b)
+    ga, gb = ma.graph, mb.graph
+    m = structural.match_graphs(ga, gb)
+    regions = structural.find_regions(m)
+
+    ra, rb = _node_records(m.a_nodes, "a"), _node_records(m.b_nodes, "b")
+    for j, i in m.node_b2a.items():
+        ra[i]["match"], rb[j]["match"] = f"b{j}", f"a{i}"
+        if j in m.modified:
+            ra[i]["status"] = rb[j]["status"] = "modified"
+            ra[i]["changes"] = rb[j]["changes"] = list(m.modified[j])
+    for r in regions:
+        for nid in r.a_nodes:
+            ra[int(nid[1:])].update(status="removed", region=r.id)
+        for nid in r.b_nodes:
+            rb[int(nid[1:])].update(status="added", region=r.id)
+
+    hist_a, hist_b = structural.op_histogram(ga), structural.op_histogram(gb)
+    hist_delta = {k: hist_b[k] - hist_a[k] for k in sorted(set(hist_a) | set(hist_b)) if hist_b[k] != hist_a[k]}
+    inits = structural.initializer_delta(ga, gb, m)
+    io_d = structural.io_delta(ga, gb)
+    subs = structural.subgraph_delta(m)
+    fa = structural.estimate_flops(ma, flop_batch, flop_seq)
+    fb = structural.estimate_flops(mb, flop_batch, flop_seq)
+
+    modified = [
+        {"a": f"a{i}", "b": f"b{j}", "op": structural.op_key(m.b_nodes[j]), "name": m.b_nodes[j].name or "",
+         "changes": m.modified[j]}
+        for j, i in sorted(m.node_b2a.items()) if j in m.modified
+    ]
+    counts = collections.Counter(r["status"] for r in ra)
+    counts_b = collections.Counter(r["status"] for r in rb)
+    identical = (
+        not regions and not modified and not io_d["changed"] and not inits["added"] and not inits["removed"]
+        and not inits["changed"] and not any(s["changed"] for s in subs) and _opsets(ma) == _opsets(mb)
+    )
+    summary = {
+        "identical": identical,
+        "nodes_a": len(m.a_nodes),
+        "nodes_b": len(m.b_nodes),
+        "matched": len(m.node_b2a),
+        "unchanged": counts["unchanged"],
+        "modified": len(modified),
+        "removed": counts["removed"],
+        "added": counts_b["added"],
+        "regions": len(regions),
+        "passes": dict(collections.Counter(p for r in regions for p in r.passes for _ in range(r.passes[p]))),
+    }
+    result = DiffResult(
+        a={"label": label_a, "nodes": len(m.a_nodes), "opsets": _opsets(ma)},
+        b={"label": label_b, "nodes": len(m.b_nodes), "opsets": _opsets(mb)},
+        summary=summary,
+        op_histogram={"a": dict(sorted(hist_a.items())), "b": dict(sorted(hist_b.items())), "delta": hist_delta},
+        regions=[r.as_dict() for r in regions],
+        modified=modified,
+        initializers=inits,
+        io=io_d,
+        params={"a": inits["a"]["params"], "b": inits["b"]["params"], "delta": inits["delta"]["params"]},
+        flops={"a": fa, "b": fb, "delta": fb["total"] - fa["total"], "batch": flop_batch, "seq": flop_seq},
+        subgraphs=subs,
+        graphs={"a": ra, "b": rb},
+    )
+    if numeric:
+        from graphopt.diff import numeric as _numeric
+
+        result.numeric = _numeric.numeric_diff(ma, mb, m, feeds=feeds, atol=atol, rtol=rtol)
+        for side, recs in (("a", ra), ("b", rb)):
+            for nid, err in result.numeric["node_errors"][side].items():
+                recs[int(nid[1:])]["max_abs"] = err
+    return result

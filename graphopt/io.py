@@ -1,0 +1,184 @@
+"""Load and save ONNX models over onnx-ir: external data, >2 GB models, atomic writes.
+
+``load`` leaves external data memory-mapped (lazy). ``save`` writes into a temporary folder beside
+the target, then renames the external-data file (if any) and the model file into place, model last,
+so a reader never sees a half-written model. The input is never overwritten unless asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from graphopt.errors import ModelLoadError, ModelSaveError
+
+logger = logging.getLogger(__name__)
+
+#: protobuf's hard limit is 2 GiB; stay clear of it
+PROTO_LIMIT = 2**31 - 64 * 2**20
+#: default external-data threshold for tensors when external data is used
+EXTERNAL_THRESHOLD = 1024
+
+
+def _check_readable(path: Path) -> None:
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file", hint="check the path")
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a folder, not an ONNX file")
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: file is empty", hint="expected an ONNX protobuf (.onnx)")
+
+
+def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
+    """Load an ONNX model; external data stays on disk (memory-mapped on first use).
+
+    Raises ModelLoadError for a missing, empty, truncated or non-ONNX file, or missing external data.
+    """
+    path = Path(path)
+    _check_readable(path)
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise ModelLoadError(
+            f"{path}: not a valid ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse failed'})",
+            hint="the file may be truncated or not an ONNX protobuf",
+        ) from None
+    if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
+        raise ModelLoadError(f"{path}: not a valid ONNX model (no graph)", hint="expected an ONNX protobuf (.onnx)")
+    if check_external:
+        _check_external_files(proto, path)
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot read the ONNX graph: {e}") from None
+    ir.external_data.set_base_dir(model.graph, str(path.parent))
+    return model
+
+
+def _iter_tensor_protos(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                yield from _iter_tensor_protos(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _iter_tensor_protos(g)
+
+
+def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
+    for t in _iter_tensor_protos(proto.graph):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        f = path.parent / loc
+        if not loc or not f.is_file():
+            raise ModelLoadError(
+                f"{path}: external data file {loc!r} of tensor {t.name!r} not found",
+                hint=f"it must lie beside the model, in {path.parent}",
+            )
+        need = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if f.stat().st_size < need:
+            raise ModelLoadError(
+                f"{path}: external data file {loc!r} is too short for tensor {t.name!r} "
+                f"({f.stat().st_size} bytes, needs {need})"
+            )
+
+
+def tensor_bytes(model: ir.Model) -> int:
+    """Bytes of all initializers (and constant attributes) of the main graph and subgraphs."""
+    total = 0
+    for graph in [model.graph, *(g for g in _subgraphs(model.graph))]:
+        for v in graph.initializers.values():
+            if v.const_value is not None:
+                total += v.const_value.nbytes
+    return total
+
+
+def _subgraphs(graph: ir.Graph):
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield attr.value
+            elif attr.type == ir.AttributeType.GRAPHS:
+                yield from attr.value
+
+
+def check_output_path(src: str | os.PathLike | None, dst: str | os.PathLike, *, in_place: bool = False) -> Path:
+    """Validate an output path before any work is done; returns it resolved."""
+    dst = Path(dst)
+    if src is not None and not in_place:
+        s = Path(src)
+        if s.exists() and (dst.resolve() == s.resolve() or (dst.exists() and os.path.samefile(s, dst))):
+            raise ModelSaveError(
+                f"{dst}: output path is the input path", hint="choose another -o, or pass --in-place"
+            )
+    parent = dst.resolve().parent
+    for p in [parent, *parent.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise ModelSaveError(f"{dst}: cannot write here, {p} is a file, not a folder")
+            break
+    if dst.is_dir():
+        raise ModelSaveError(f"{dst}: is a folder; give a file name ending in .onnx")
+    return dst
+
+
+def save(
+    model: ir.Model,
+    path: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    src: str | os.PathLike | None = None,
+    in_place: bool = False,
+) -> Path:
+    """Save ``model`` to ``path`` atomically.
+
+    ``external_data``: True writes initializers to ``<name>.data`` beside the model; None decides
+    by size (external above ~2 GB, where protobuf cannot hold the model).
+    """
+    dst = check_output_path(src, path, in_place=in_place)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if external_data is None:
+        external_data = tensor_bytes(model) >= PROTO_LIMIT
+    data_name = dst.name + ".data"
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    try:
+        tmp_model = tmpdir / dst.name
+        if external_data:
+            # Loading every external tensor first keeps the source readable while we write,
+            # even when the output data file replaces the input's.
+            ir.save(model, tmp_model, external_data=data_name, size_threshold_bytes=EXTERNAL_THRESHOLD)
+        else:
+            _save_inline(model, tmp_model)
+        if external_data:
+            os.replace(tmpdir / data_name, dst.parent / data_name)
+        os.replace(tmp_model, dst)
+    except OSError as e:
+        raise ModelSaveError(f"{dst}: cannot write: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    logger.info("saved %s", dst)
+    return dst
+
+
+def _save_inline(model: ir.Model, path: Path) -> None:
+    proto = ir.serde.serialize_model(model)
+    if proto.ByteSize() >= PROTO_LIMIT:
+        raise ModelSaveError(f"{path.name}: model over 2 GB; save it with external data")
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """Serialize to a ModelProto (external tensors are read into memory)."""
+    return ir.serde.serialize_model(model)

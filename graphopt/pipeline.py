@@ -1,0 +1,219 @@
+"""The pipeline: run a recipe's passes in order, verify after each, keep the last good model.
+
+For every step: clone the last good model, run the pass on the clone, tag the nodes it created
+(``graphopt.PASS_TAG``), verify (structure always unless ``verify='off'``; numerics against the
+previous model's outputs for lossless passes, against the input model's outputs under the budget for
+lossy ones). A failed pass is rolled back and recorded; the run stops there unless ``keep_going``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt import PASS_TAG, feeds as feeds_mod, io, recipe as recipe_mod, registry
+from graphopt.errors import GraphoptError, RuntimeSetupError, VerificationError
+from graphopt.metrics import Budget, parse_budget
+from graphopt.report import PassRecord, Report, count_nodes, op_delta, op_histogram
+from graphopt.verify import check_level, check_structure, run_model, verify
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Result:
+    """The optimized model (the last good one) and the report."""
+
+    model: ir.Model
+    report: Report
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+
+def _split_feeds(calib: list) -> tuple[list, list]:
+    """Calibration feeds are split: first part for calibration, the rest held back for checks."""
+    if len(calib) < 2:
+        return calib, calib
+    k = max(1, len(calib) // 2)
+    return calib[:k], calib[k:]
+
+
+def _node_ids(model: ir.Model) -> set[int]:
+    ids = {id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
+    for f in model.functions.values():
+        ids.update(id(n) for n in f)
+    return ids
+
+
+def _tag_new_nodes(model: ir.Model, before: set[int], pass_name: str) -> int:
+    n_new = 0
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if id(node) not in before:
+            node.metadata_props.setdefault(PASS_TAG, pass_name)
+            n_new += 1
+    return n_new
+
+
+def optimize(
+    model: ir.Model | str | os.PathLike,
+    recipe: recipe_mod.Recipe | None = None,
+    *,
+    passes: str | Sequence[str] | None = None,
+    overrides: Sequence[str] = (),
+    feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
+    calib: str | os.PathLike | None = None,
+    budget: Budget | str | Sequence[str] | None = None,
+    provider: str = "cpu",
+    verify_level: str = "numeric",
+    keep_going: bool = False,
+    debug_dir: str | os.PathLike | None = None,
+    explain: bool = False,
+    on_step: Callable[[str, int, int], None] | None = None,
+) -> Result:
+    """Run ``recipe`` (default: the builtin default recipe, or ``passes``) on ``model``.
+
+    Returns the last good model and the report; never raises for a pass that fails verification
+    (the report says, and ``Result.ok`` is False). Raises GraphoptError for bad usage or input.
+    """
+    t_start = time.perf_counter()
+    check_level(verify_level)
+    if not isinstance(budget, Budget):
+        budget = parse_budget(budget)
+    if recipe is None:
+        recipe = recipe_mod.from_pass_list(passes) if passes else recipe_mod.default()
+    if overrides:
+        recipe.apply_overrides(overrides)
+    recipe.validate()
+    instances = [registry.create(s.pass_name, s.options) for s in recipe.steps]
+
+    src = ""
+    if not isinstance(model, ir.Model):
+        src = str(model)
+        model = io.load(model)
+
+    report = Report(input=src, recipe=recipe.name, verify=verify_level, provider=provider, budget=str(budget))
+    report.nodes_before = count_nodes(model)
+    report.ops_before = dict(op_histogram(model))
+
+    # feeds: calibration folder, given feeds, or generated from the signature
+    if calib is not None:
+        all_feeds = feeds_mod.load_dir(calib)
+        feeds_mod.check_against(model, all_feeds)
+    elif feeds is not None:
+        all_feeds = [dict(f) for f in feeds]
+    else:
+        all_feeds = feeds_mod.generate(model) if verify_level == "numeric" else []
+    calib_feeds, check_feeds = _split_feeds(list(all_feeds))
+    report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
+
+    reference = None
+    if verify_level != "off":
+        check_structure(model, where=f"input model {src or ''}".strip())
+    if verify_level == "numeric":
+        try:
+            reference = run_model(model, all_feeds, provider="cpu")
+        except RuntimeSetupError as e:
+            raise VerificationError(
+                f"cannot verify numerically: {e.message}",
+                hint="the input model does not run in ONNX Runtime; use --verify structure or off",
+            ) from None
+
+    good = model
+    prev_out = reference
+    for i, (step, p) in enumerate(zip(recipe.steps, instances)):
+        if on_step:
+            on_step(step.pass_name, i, len(instances))
+        rec = PassRecord(name=p.name, options=p.options_in_use(), exact=p.exact)
+        rec.nodes_before = count_nodes(good)
+        ops_before = op_histogram(good)
+        p.context = registry.PassContext(
+            provider=provider,
+            feeds=check_feeds,
+            calib_feeds=calib_feeds,
+            budget=budget,
+            explain=explain,
+        )
+        work = good.clone()
+        before_ids = _node_ids(work)
+        t0 = time.perf_counter()
+        try:
+            result = p(work)
+            candidate = result.model
+            rec.modified = bool(result.modified)
+        except GraphoptError as e:
+            rec.status, rec.error = "error", e.message
+            candidate = None
+        except Exception as e:  # a bug or an unexpected graph: report it, keep the last good model
+            logger.debug("pass %s raised", p.name, exc_info=True)
+            rec.status, rec.error = "error", f"{type(e).__name__}: {e}"
+            candidate = None
+        rec.seconds = time.perf_counter() - t0
+        rec.notes = list(p.context.notes)
+        rec.rule_counts = dict(p.context.rule_counts)
+        if candidate is not None and rec.modified:
+            if candidate is work:
+                _tag_new_nodes(candidate, before_ids, p.name)
+            tv = time.perf_counter()
+            if p.exact:
+                verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=prev_out,
+                                 atol=p.atol, rtol=p.rtol, provider="cpu", where=f"after pass {p.name!r}")
+            else:
+                verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=reference,
+                                 budget=budget, provider="cpu", where=f"after pass {p.name!r}")
+            rec.verification = {"level": verify_level, "seconds": round(time.perf_counter() - tv, 3),
+                                **verdict.numbers()}
+            if verdict.ok:
+                good = candidate
+                if verdict.outputs is not None:
+                    prev_out = verdict.outputs
+            else:
+                rec.status = "rolled-back"
+                rec.verification["reason"] = verdict.reason
+                rec.error = f"verification failed: {verdict.reason}"
+                if debug_dir is not None:
+                    _dump_pair(Path(debug_dir), i, p.name, good, candidate)
+        elif candidate is not None:
+            rec.verification = {"level": "skipped (unchanged)"}
+        elif debug_dir is not None:
+            _dump_pair(Path(debug_dir), i, p.name, good, None)
+        rec.nodes_after = count_nodes(good) if rec.status == "ok" else rec.nodes_before
+        if rec.status == "ok":
+            rec.op_delta = op_delta(ops_before, op_histogram(good))
+        report.passes.append(rec)
+        if rec.status != "ok":
+            logger.warning("pass %s %s: %s", p.name, rec.status, rec.error)
+            if not keep_going:
+                report.ok = False
+                break
+
+    report.nodes_after = count_nodes(good)
+    report.ops_after = dict(op_histogram(good))
+    if reference is not None and prev_out is not None and prev_out is not reference:
+        from graphopt.metrics import compare
+
+        report.final = compare(prev_out, reference, all_feeds).summary()
+    if report.failed() and not keep_going:
+        report.ok = False
+    report.seconds = time.perf_counter() - t_start
+    return Result(good, report)
+
+
+def _dump_pair(folder: Path, index: int, name: str, before: ir.Model, after: ir.Model | None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    base = folder / f"{index:02d}-{name}"
+    try:
+        io.save(before, f"{base}.before.onnx")
+        if after is not None:
+            io.save(after, f"{base}.after.onnx")
+        logger.warning("wrote %s.before.onnx / .after.onnx", base)
+    except GraphoptError as e:
+        logger.warning("could not write the debug pair for %s: %s", name, e.message)

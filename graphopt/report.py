@@ -1,0 +1,167 @@
+"""The optimization report: per pass what changed, how long it took and how it verified.
+
+Printed as a rich table, saved as JSON (``--report FILE``); ``diff`` and ``bench`` reuse its parts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+SCHEMA_VERSION = 1
+
+
+def op_histogram(graph_or_model: ir.Model | ir.Graph, recursive: bool = True) -> collections.Counter:
+    """``domain::op_type`` (bare op_type for the default domain) -> count, subgraphs included."""
+    graph = graph_or_model.graph if isinstance(graph_or_model, ir.Model) else graph_or_model
+    nodes = ir.traversal.RecursiveGraphIterator(graph) if recursive else graph
+    c: collections.Counter = collections.Counter()
+    for n in nodes:
+        c[op_key(n)] += 1
+    return c
+
+
+def op_key(node: ir.Node) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def count_nodes(model: ir.Model) -> int:
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def op_delta(before: collections.Counter, after: collections.Counter) -> dict[str, int]:
+    keys = set(before) | set(after)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys) if after.get(k, 0) != before.get(k, 0)}
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """What one pass did."""
+
+    name: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    exact: bool = True
+    modified: bool = False
+    status: str = "ok"  # ok | rolled-back | skipped | error
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    op_delta: dict[str, int] = dataclasses.field(default_factory=dict)
+    rule_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    verification: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    error: str = ""
+
+
+@dataclasses.dataclass
+class Report:
+    """The whole run."""
+
+    input: str = ""
+    output: str = ""
+    recipe: str = ""
+    verify: str = "numeric"
+    provider: str = "cpu"
+    feeds: str = ""
+    budget: str = ""
+    passes: list[PassRecord] = dataclasses.field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    final: dict[str, Any] = dataclasses.field(default_factory=dict)  # vs the input model
+    seconds: float = 0.0
+    ok: bool = True
+
+    def failed(self) -> list[PassRecord]:
+        return [p for p in self.passes if p.status in ("rolled-back", "error")]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        return _finite(d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def save(self, path: str | os.PathLike) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, p)
+
+    def render(self, console=None) -> None:
+        """Print the per-pass table with rich."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        t = Table(title=f"graphopt optimize: {self.input}", title_justify="left")
+        for col in ("pass", "status", "modified", "s", "nodes", "op delta", "verification"):
+            t.add_column(col, overflow="fold")
+        for p in self.passes:
+            delta = ", ".join(f"{k} {v:+d}" for k, v in sorted(p.op_delta.items(), key=lambda kv: kv[1])[:6])
+            if len(p.op_delta) > 6:
+                delta += f", … ({len(p.op_delta)} ops)"
+            style = {"ok": "green", "rolled-back": "red", "error": "red", "skipped": "yellow"}.get(p.status, "")
+            t.add_row(
+                p.name,
+                f"[{style}]{p.status}[/]",
+                "yes" if p.modified else "no",
+                f"{p.seconds:.2f}",
+                f"{p.nodes_before} → {p.nodes_after}",
+                delta or "-",
+                _fmt_verif(p.verification),
+            )
+        console.print(t)
+        for p in self.passes:
+            for note in p.notes:
+                console.print(f"[dim]{p.name}: {note}[/]", highlight=False)
+            if p.rule_counts:
+                rc = ", ".join(f"{k}×{v}" for k, v in sorted(p.rule_counts.items()))
+                console.print(f"[dim]{p.name} rules: {rc}[/]", highlight=False)
+            if p.error:
+                console.print(f"[red]{p.name}: {p.error}[/]", highlight=False)
+        summary = f"{self.nodes_before} → {self.nodes_after} nodes in {self.seconds:.2f} s"
+        if self.final:
+            summary += " · vs input: " + _fmt_verif(self.final)
+        console.print(summary, highlight=False)
+
+
+def _fmt_verif(v: dict) -> str:
+    if not v:
+        return "-"
+    if v.get("level") == "off":
+        return "off"
+    parts = []
+    if "max_abs" in v:
+        parts.append(f"max_abs {v['max_abs']:.2e}")
+    if "cosine_min" in v:
+        parts.append(f"cos_min {v['cosine_min']:.6f}")
+    if not parts:
+        parts.append(v.get("level", ""))
+    if v.get("reason"):
+        parts.append(v["reason"])
+    return " ".join(parts)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -1,0 +1,138 @@
+"""ONNX Runtime sessions: the one place graphopt makes them.
+
+CUDA is used when asked for and available; otherwise CPU, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from graphopt.errors import RuntimeSetupError
+
+logger = logging.getLogger(__name__)
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(available, reason) for the CUDA execution provider."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False, "onnxruntime has no CUDAExecutionProvider (install the `gpu` extra instead of onnxruntime)"
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcudart.so.12")
+    except OSError:
+        pass  # ORT may find CUDA through its own search paths; the session tells
+    return True, ""
+
+
+def session_options(
+    *, threads: int | None = None, optimize: bool = True, spinning: bool = True, level: str | None = None
+):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    so.graph_optimization_level = levels[level or ("all" if optimize else "disable")]
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return so
+
+
+def make_session(
+    model: Any,
+    *,
+    provider: str = "cpu",
+    threads: int | None = None,
+    optimize: bool = True,
+    spinning: bool = True,
+    level: str | None = None,
+    strict_provider: bool = False,
+):
+    """An ``onnxruntime.InferenceSession`` for a path, ModelProto, ``onnx_ir.Model`` or bytes.
+
+    ``provider='cuda'`` uses CUDA when available, else CPU (logged), or raises with
+    ``strict_provider``.
+    """
+    import onnxruntime as ort
+
+    if provider not in PROVIDERS:
+        raise RuntimeSetupError(f"unknown provider {provider!r}", hint="use cpu or cuda")
+    providers = ["CPUExecutionProvider"]
+    if provider == "cuda":
+        ok, why = cuda_available()
+        if ok:
+            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        elif strict_provider:
+            raise RuntimeSetupError(f"CUDA requested but not available: {why}")
+        else:
+            logger.warning("CUDA requested but not available (%s); using CPU", why)
+    so = session_options(threads=threads, optimize=optimize, spinning=spinning, level=level)
+    tmp: tempfile.TemporaryDirectory | None = None
+    try:
+        if isinstance(model, (str, os.PathLike)):
+            src: Any = str(model)
+        elif isinstance(model, bytes):
+            src = model
+        else:
+            src, tmp = _model_bytes_or_file(model)
+        sess = ort.InferenceSession(src, sess_options=so, providers=providers)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeSetupError(f"ONNX Runtime cannot load the model: {msg}") from e
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    if provider == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
+        logger.warning("CUDA provider did not initialise; the session runs on CPU")
+    return sess
+
+
+def _model_bytes_or_file(model: Any):
+    import onnx
+    import onnx_ir as ir
+
+    from graphopt import io
+
+    if isinstance(model, ir.Model):
+        if io.tensor_bytes(model) >= io.PROTO_LIMIT:
+            tmp = tempfile.TemporaryDirectory(prefix="graphopt-sess-")
+            path = Path(tmp.name) / "model.onnx"
+            ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=io.EXTERNAL_THRESHOLD)
+            return str(path), tmp
+        model = ir.serde.serialize_model(model)
+    if isinstance(model, onnx.ModelProto):
+        return model.SerializeToString(), None
+    raise TypeError(f"cannot make a session from {type(model).__name__}")
+
+
+def run(sess, feeds: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
+    """Run ``sess`` on each feed; inputs the session doesn't take are dropped."""
+    names = [o.name for o in sess.get_outputs()] if outputs is None else list(outputs)
+    wanted = {i.name for i in sess.get_inputs()}
+    results = []
+    for feed in feeds:
+        f = {k: v for k, v in feed.items() if k in wanted}
+        vals = sess.run(names, f)
+        results.append(dict(zip(names, vals)))
+    return results

@@ -1,0 +1,167 @@
+"""Verification: structure (checker, shape inference, ORT session) and numerics against references.
+
+Levels: ``off`` (nothing), ``structure`` (full ONNX checker incl. strict shape inference, opset and
+domain imports, an ORT CPU session), ``numeric`` (structure + outputs on feeds compared with a
+reference, mask-aware).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from graphopt import io, runtime
+from graphopt.errors import RuntimeSetupError, UsageError, VerificationError
+from graphopt.metrics import Budget, Comparison, compare
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ("off", "structure", "numeric")
+
+
+def check_level(level: str) -> str:
+    if level not in LEVELS:
+        raise UsageError(f"unknown verification level {level!r}", hint="use off, structure or numeric")
+    return level
+
+
+def check_structure(model: ir.Model | onnx.ModelProto, where: str = "model") -> None:
+    """Full ONNX checker (with strict shape inference) plus domain-import checks.
+
+    Raises VerificationError naming what is wrong.
+    """
+    proto = model if isinstance(model, onnx.ModelProto) else io.to_proto(model)
+    _check_domains(proto, where)
+    try:
+        if proto.ByteSize() < io.PROTO_LIMIT:
+            onnx.checker.check_model(proto, full_check=True)
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                p = Path(d) / "m.onnx"
+                onnx.save(proto, str(p), save_as_external_data=True, location="m.onnx.data")
+                onnx.checker.check_model(str(p), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise VerificationError(f"{where}: ONNX checker failed: {first}") from None
+
+
+def _check_domains(proto: onnx.ModelProto, where: str) -> None:
+    imported = {o.domain or "" for o in proto.opset_import}
+    local_funcs = {(f.domain, f.name) for f in proto.functions}
+
+    def walk(graph: onnx.GraphProto):
+        for n in graph.node:
+            d = n.domain or ""
+            if d not in imported and (n.domain, n.op_type) not in local_funcs:
+                raise VerificationError(
+                    f"{where}: node {n.op_type} {n.name!r} uses domain {d or 'ai.onnx'!r} with no opset import"
+                )
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        walk(g)
+
+    walk(proto.graph)
+
+
+@dataclasses.dataclass
+class Verdict:
+    """Outcome of verifying one model against a reference."""
+
+    level: str
+    ok: bool
+    comparison: Comparison | None = None
+    reason: str = ""
+    outputs: list[dict[str, np.ndarray]] | None = None
+
+    def numbers(self) -> dict:
+        return self.comparison.summary() if self.comparison is not None else {}
+
+
+def run_model(
+    model: ir.Model | onnx.ModelProto | str | Path,
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    *,
+    provider: str = "cpu",
+    optimize: bool = False,
+) -> list[dict[str, np.ndarray]]:
+    """Outputs of ``model`` on each feed, from an ORT session (optimizations off by default)."""
+    sess = runtime.make_session(model, provider=provider, optimize=optimize)
+    try:
+        return runtime.run(sess, feeds)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeSetupError(f"ONNX Runtime failed running the model: {msg}") from e
+
+
+def verify(
+    model: ir.Model,
+    *,
+    level: str,
+    feeds: Sequence[Mapping[str, np.ndarray]] = (),
+    reference: Sequence[Mapping[str, np.ndarray]] | None = None,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    budget: Budget | None = None,
+    provider: str = "cpu",
+    where: str = "model",
+) -> Verdict:
+    """Verify ``model`` at ``level``; numerics compare against ``reference`` outputs.
+
+    With a non-empty ``budget`` the budget decides (lossy passes); otherwise every element must be
+    within ``atol + rtol*|ref|`` (lossless passes). Never raises for a failed check: the verdict says.
+    """
+    check_level(level)
+    if level == "off":
+        return Verdict(level, True)
+    proto = io.to_proto(model)
+    try:
+        check_structure(proto, where)
+    except VerificationError as e:
+        return Verdict(level, False, reason=e.message)
+    if level == "structure":
+        try:
+            runtime.make_session(proto, provider=provider, optimize=False)
+        except RuntimeSetupError as e:
+            return Verdict(level, False, reason=f"{where}: {e.message}")
+        return Verdict(level, True)
+    try:
+        outs = run_model(proto, feeds, provider=provider)
+    except RuntimeSetupError as e:
+        return Verdict(level, False, reason=f"{where}: {e.message}")
+    if reference is None:
+        return Verdict(level, True, outputs=outs)
+    cmp = compare(outs, reference, feeds, atol=atol, rtol=rtol)
+    if budget:
+        fails = budget.failures(cmp)
+        ok = not fails
+        reason = "; ".join(fails)
+    else:
+        ok = cmp.within(atol, rtol)
+        reason = "" if ok else _describe_mismatch(cmp, atol, rtol)
+    if ok and any(d.shape_mismatch for d in cmp.outputs.values()):
+        ok = False
+        reason = "; ".join(f"output {d.name!r}: {d.shape_mismatch}" for d in cmp.outputs.values() if d.shape_mismatch)
+    return Verdict(level, ok, comparison=cmp, reason=reason if not ok else "", outputs=outs)
+
+
+def _describe_mismatch(cmp: Comparison, atol: float, rtol: float) -> str:
+    parts = []
+    for d in cmp.outputs.values():
+        if d.shape_mismatch:
+            parts.append(f"output {d.name!r}: {d.shape_mismatch}")
+        elif d.mismatch:
+            parts.append(
+                f"output {d.name!r}: max_abs {d.max_abs:.3g} (tolerance {atol:g} + {rtol:g}*|ref|), "
+                f"{100 * d.mismatch:.2f}% of elements off, cosine min {d.cosine_min:.6f}"
+            )
+    return "; ".join(parts)
