@@ -7,6 +7,7 @@ so a reader never sees a half-written model. The input is never overwritten unle
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -180,5 +181,23 @@ def _save_inline(model: ir.Model, path: Path) -> None:
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
-    """Serialize to a ModelProto (external tensors are read into memory)."""
+    """Serialize to a self-contained ModelProto (external tensors are read into memory).
+
+    The model itself is left as it is (its external tensors stay lazy).
+    """
+    if any(isinstance(v.const_value, ir.ExternalTensor) for g in model.graphs() for v in g.initializers.values()):
+        model = ir.external_data.load_to_model(model.clone())
     return ir.serde.serialize_model(model)
+
+
+@contextlib.contextmanager
+def materialize(model: ir.Model):
+    """Yield something onnx.checker and ORT accept: a self-contained ModelProto, or for models
+    over the protobuf limit the path of a temporary copy with external data."""
+    if tensor_bytes(model) < PROTO_LIMIT:
+        yield to_proto(model)
+        return
+    with tempfile.TemporaryDirectory(prefix="graphopt-big-") as d:
+        path = Path(d) / "model.onnx"
+        ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=EXTERNAL_THRESHOLD)
+        yield str(path)

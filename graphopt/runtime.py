@@ -120,7 +120,7 @@ def _model_bytes_or_file(model: Any):
             path = Path(tmp.name) / "model.onnx"
             ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=io.EXTERNAL_THRESHOLD)
             return str(path), tmp
-        model = ir.serde.serialize_model(model)
+        model = io.to_proto(model)
     if isinstance(model, onnx.ModelProto):
         return model.SerializeToString(), None
     raise TypeError(f"cannot make a session from {type(model).__name__}")

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import tempfile
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -32,21 +30,20 @@ def check_level(level: str) -> str:
     return level
 
 
-def check_structure(model: ir.Model | onnx.ModelProto, where: str = "model") -> None:
+def check_structure(model: ir.Model | onnx.ModelProto | str, where: str = "model") -> None:
     """Full ONNX checker (with strict shape inference) plus domain-import checks.
 
-    Raises VerificationError naming what is wrong.
+    ``model`` may be a path (models over 2 GB). Raises VerificationError naming what is wrong.
     """
-    proto = model if isinstance(model, onnx.ModelProto) else io.to_proto(model)
-    _check_domains(proto, where)
+    if isinstance(model, ir.Model):
+        with io.materialize(model) as m:
+            return check_structure(m, where)
+    if isinstance(model, str):
+        _check_domains(onnx.load(model, load_external_data=False), where)
+    else:
+        _check_domains(model, where)
     try:
-        if proto.ByteSize() < io.PROTO_LIMIT:
-            onnx.checker.check_model(proto, full_check=True)
-        else:
-            with tempfile.TemporaryDirectory() as d:
-                p = Path(d) / "m.onnx"
-                onnx.save(proto, str(p), save_as_external_data=True, location="m.onnx.data")
-                onnx.checker.check_model(str(p), full_check=True)
+        onnx.checker.check_model(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise VerificationError(f"{where}: ONNX checker failed: {first}") from None
@@ -123,7 +120,11 @@ def verify(
     check_level(level)
     if level == "off":
         return Verdict(level, True)
-    proto = io.to_proto(model)
+    with io.materialize(model) as proto:
+        return _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where)
+
+
+def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where) -> Verdict:
     try:
         check_structure(proto, where)
     except VerificationError as e:

@@ -24,7 +24,9 @@ import onnx_ir.passes.common as common
 from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewritePass
 
+from graphopt.errors import VerificationError
 from graphopt.registry import GraphoptPass, register
+from graphopt.verify import check_structure
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +76,24 @@ class Cleanup(GraphoptPass):
         self.iterations = iterations
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        if opset >= MIN_RULES_OPSET or not self.fold_constants:
+            return self._run(model, self.fold_constants)
+        # Below opset 18 onnxscript's folder can emit current-opset forms (e.g. Unsqueeze with an
+        # axes input at opset 11): try on a copy, keep it only if it is still a valid model.
+        # (The trial runs twice on success; models this old are small.)
+        trial = model.clone()
+        self._run(trial, True)
+        try:
+            check_structure(trial, where="cleanup trial")
+        except VerificationError as e:
+            self.context.notes.append(f"constant folding skipped at opset {opset}: {e.message}")
+            return self._run(model, False)
+        return self._run(model, True)
+
+    def _run(self, model: ir.Model, fold: bool) -> ir.passes.PassResult:
         loop: list[ir.passes.PassBase] = []
-        if self.fold_constants:
+        if fold:
             loop.append(
                 _constant_folding.FoldConstantsPass(
                     shape_inference=True,

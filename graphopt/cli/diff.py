@@ -7,7 +7,7 @@ Exit codes: 0 ok (also when the models differ), 1 error (unreadable model, runti
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -20,11 +20,11 @@ def command(
     b: Annotated[Path, typer.Argument(help="Model B (after), an .onnx file.")],
     numeric: Annotated[bool, typer.Option("--numeric", help="Run both models and compare shared tensors.")] = False,
     calib: Calib = None,
-    json_file: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON diff to FILE ('-' = stdout).",
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write the JSON diff to FILE ('-' = stdout).",
                                                       metavar="FILE")] = None,
-    html_file: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report to FILE.",
+    html_file: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report to FILE.",
                                                       metavar="FILE")] = None,
-    mapping_file: Annotated[Optional[Path], typer.Option("--mapping", metavar="FILE",
+    mapping_file: Annotated[Path | None, typer.Option("--mapping", metavar="FILE",
                                                          help="Write a Model Explorer node-mapping JSON.")] = None,
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance for --numeric.")] = 1e-4,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance for --numeric.")] = 1e-4,

@@ -10,7 +10,8 @@ import sys
 
 import typer
 
-from graphopt.cli import bench, inspect_cmd, optimize, passes, verify
+from graphopt.cli import bench, export, feeds, inspect_cmd, optimize, passes, verify
+from graphopt.cli import diff
 from graphopt.errors import EXIT_ERROR, GraphoptError
 
 app = typer.Typer(
@@ -27,6 +28,9 @@ app.command("passes")(passes.command)
 app.command("inspect", no_args_is_help=True)(inspect_cmd.command)
 app.command("verify", no_args_is_help=True)(verify.command)
 app.command("bench", no_args_is_help=True)(bench.command)
+app.command("export", no_args_is_help=True)(export.command)
+app.command("feeds", no_args_is_help=True)(feeds.command)
+app.command("diff", no_args_is_help=True)(diff.command)
 
 _state = {"debug": False}
 
@@ -53,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        app(args=argv, standalone_mode=False)
-        code = 0
+        rv = app(args=argv, standalone_mode=False)
+        # with standalone_mode=False click returns the code of a raised Exit
+        code = rv if isinstance(rv, int) else 0
     except GraphoptError as e:
         if debug:
             import traceback

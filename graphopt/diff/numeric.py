@@ -58,7 +58,7 @@ def _feeds_for(ma: ir.Model, mb: ir.Model, feeds):
         b_needs = [v.name for v in mb.graph.inputs if v.name not in mb.graph.initializers]
         if any(n not in feeds[0] for n in b_needs):
             extra = feeds_mod.generate(mb, count=len(feeds) - 1 if len(feeds) > 1 else 1)
-            for f, e in zip(feeds, extra):
+            for f, e in zip(feeds, extra, strict=False):
                 for k, v in e.items():
                     f.setdefault(k, v)
     else:

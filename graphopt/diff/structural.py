@@ -253,7 +253,7 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
                 continue
             na = a_nodes[i]
             ok = True
-            for va, want in zip(na.inputs, ins):
+            for va, want in zip(na.inputs, ins, strict=False):
                 if want is None:
                     ok = va is None
                 elif want is _WILD:
@@ -285,10 +285,10 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
             continue
         a_matched.add(choice)
         na = a_nodes[choice]
-        for vb, va in zip(nb.inputs, na.inputs):
+        for vb, va in zip(nb.inputs, na.inputs, strict=False):
             if vb is not None and va is not None and vb not in b2a and va not in a_mapped:
                 pair_value(vb, va)
-        for vb, va in zip(nb.outputs, na.outputs):
+        for vb, va in zip(nb.outputs, na.outputs, strict=False):
             pair_value(vb, va)
         changed_inits = [v.name for v in na.inputs if v is not None and v.name in init_changed and v.is_initializer()]
         if changed_inits:
@@ -327,7 +327,7 @@ def _differences(na: ir.Node, nb: ir.Node, b2a: dict) -> list[str]:
     if len(na.inputs) != len(nb.inputs):
         out.append(f"{len(na.inputs)} inputs became {len(nb.inputs)}")
     else:
-        for k, (va, vb) in enumerate(zip(na.inputs, nb.inputs)):
+        for k, (va, vb) in enumerate(zip(na.inputs, nb.inputs, strict=False)):
             if (va is None) != (vb is None) or (vb is not None and b2a.get(vb) is not va):
                 out.append(f"input {k} changed")
     return out or ["name-matched"]

@@ -1,0 +1,72 @@
+"""`graphopt export`: PyTorch / Hugging Face model -> ONNX, gated on parity with PyTorch.
+
+A thin wrapper over ``graphopt.exporters.export``; torch and transformers load only when it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def command(
+    src: Annotated[str, typer.Argument(help="Hugging Face model folder (config + weights), or module:function.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="ONNX file to write.")],
+    task: Annotated[
+        str,
+        typer.Option(
+            "--task",
+            help="feature-extraction, sequence-classification, token-classification, masked-lm, "
+            "causal-lm, causal-lm-with-past.",
+        ),
+    ] = "feature-extraction",
+    exporter: Annotated[
+        Optional[str],
+        typer.Option("--exporter", help="dynamo or torchscript (default: dynamo, falling back to torchscript)."),
+    ] = None,
+    attn: Annotated[
+        Optional[str], typer.Option("--attn", help="Attention implementation: eager or sdpa (default: the model's).")
+    ] = None,
+    opset: Annotated[Optional[int], typer.Option("--opset", help="ONNX opset (default 20 dynamo, 17 torchscript).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 or fp16 weights.")] = "fp32",
+    atol: Annotated[
+        Optional[float],
+        typer.Option("--atol", help="Parity tolerance, max |onnx - torch| on real tokens (default 1e-4; fp16 1e-2)."),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Export a model to ONNX and check it against PyTorch (exit 3 when it does not match)."""
+    from graphopt.exporters import export
+
+    result = export(src, output, task=task, exporter=exporter, attn=attn, opset=opset, dtype=dtype, atol=atol)
+    if json_out:
+        import json
+
+        typer.echo(json.dumps(result.as_dict(), indent=2))
+        return
+    _print(result)
+
+
+def _print(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    p = result.parity
+    table = Table(title=f"parity vs PyTorch (atol {p.atol:g}; feeds: {', '.join(p.feeds)})", title_justify="left")
+    table.add_column("output")
+    table.add_column("max_abs", justify="right")
+    table.add_column("cosine", justify="right")
+    table.add_column("positions", justify="right")
+    table.add_column("ok")
+    for o in p.outputs:
+        table.add_row(o.name, f"{o.max_abs:.3g}", f"{o.cosine:.8f}", str(o.samples), "yes" if o.passed else "NO")
+    console.print(table)
+    if result.fallback:
+        console.print(f"[yellow]dynamo export failed ({result.fallback}); used the TorchScript exporter[/]")
+    console.print(
+        f"wrote {result.path}: {result.exporter} exporter, {result.attn or 'unknown'} attention, "
+        f"opset {result.opset}, {result.nodes} nodes, {result.dtype}, {result.seconds:.1f}s"
+    )

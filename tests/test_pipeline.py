@@ -1,0 +1,222 @@
+"""The pipeline: verification after each pass, rollback, reports, tags, recipes and options."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from graphopt import PASS_TAG, io, pipeline, recipe, registry
+from graphopt.errors import UsageError
+from graphopt.registry import GraphoptPass, register
+
+
+class CorruptWeight(GraphoptPass):
+    """Test-only: scales the first float initializer by 1.5 (a silent numeric bug)."""
+
+    name = "test-corrupt-weight"
+    hidden = True
+
+    def __init__(self, *, factor: float = 1.5):
+        super().__init__()
+        self.factor = factor
+
+    def call(self, model):
+        for v in model.graph.initializers.values():
+            t = v.const_value
+            if t is not None and t.dtype == ir.DataType.FLOAT and t.size > 1:
+                v.const_value = ir.tensor(t.numpy() * self.factor, name=v.name)
+                return ir.passes.PassResult(model, True)
+        return ir.passes.PassResult(model, False)
+
+
+class AddNoOp(GraphoptPass):
+    """Test-only: routes the first output through a new Identity node (lossless)."""
+
+    name = "test-add-noop"
+    hidden = True
+
+    def call(self, model):
+        g = model.graph
+        out = g.outputs[0]
+        node = ir.node("Identity", [out], num_outputs=1)
+        g.append(node)
+        new = node.outputs[0]
+        name = out.name
+        out.name = name + "_pre"
+        new.name = name
+        new.shape, new.dtype = out.shape, out.dtype
+        g.outputs[0] = new
+        return ir.passes.PassResult(model, True)
+
+
+class Crashes(GraphoptPass):
+    """Test-only: raises."""
+
+    name = "test-crash"
+    hidden = True
+
+    def call(self, model):
+        raise RuntimeError("boom")
+
+
+for _cls in (CorruptWeight, AddNoOp, Crashes):
+    register(_cls)
+
+
+def test_corrupt_pass_rolled_back_exit_3(run_cli, mlp_path, tmp_path):
+    out = tmp_path / "out.onnx"
+    before = mlp_path.read_bytes()
+    code, stdout, stderr = run_cli("optimize", mlp_path, "-o", out, "--passes", "cleanup,test-corrupt-weight",
+                                   "--report", tmp_path / "r.json")
+    assert code == 3
+    assert not out.exists()
+    assert mlp_path.read_bytes() == before
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert [p["status"] for p in rep["passes"]] == ["ok", "rolled-back"]
+    bad = rep["passes"][1]
+    assert bad["verification"]["max_abs"] > 1e-3
+    assert "verification failed" in bad["error"]
+    assert "test-corrupt-weight" in stderr
+
+
+def test_keep_going_writes_last_good_model(run_cli, mlp_path, tmp_path):
+    out = tmp_path / "out.onnx"
+    code, _, _ = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-corrupt-weight,cleanup", "--keep-going", "-q")
+    assert code == 0
+    ref = onnx.load(str(mlp_path))
+    got = onnx.load(str(out))
+    w_ref = {i.name: onnx.numpy_helper.to_array(i) for i in ref.graph.initializer}["w1"]
+    w_got = {i.name: onnx.numpy_helper.to_array(i) for i in got.graph.initializer}["w1"]
+    np.testing.assert_array_equal(w_ref, w_got)  # the corrupting pass was rolled back
+
+
+def test_debug_dir_saves_pair(run_cli, mlp_path, tmp_path):
+    dbg = tmp_path / "dbg"
+    code, _, _ = run_cli("optimize", mlp_path, "-o", tmp_path / "o.onnx", "--passes", "test-corrupt-weight",
+                         "--debug-dir", dbg, "-q")
+    assert code == 3
+    names = sorted(p.name for p in dbg.iterdir())
+    assert names == ["00-test-corrupt-weight.after.onnx", "00-test-corrupt-weight.before.onnx"]
+
+
+def test_crashing_pass_reported_not_raised(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="test-crash")
+    assert not res.ok
+    assert res.report.passes[0].status == "error"
+    assert "boom" in res.report.passes[0].error
+
+
+def test_new_nodes_tagged_with_pass_name(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="test-add-noop")
+    assert res.ok
+    tagged = [n for n in res.model.graph if n.metadata_props.get(PASS_TAG)]
+    assert [(n.op_type, n.metadata_props[PASS_TAG]) for n in tagged] == [("Identity", "test-add-noop")]
+
+
+def test_report_counts_and_delta(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="cleanup")
+    rec = res.report.passes[0]
+    assert rec.modified and rec.status == "ok"
+    assert rec.nodes_before == 6 and rec.nodes_after == 4  # Mul folded, Identity removed
+    assert rec.op_delta == {"Identity": -1, "Mul": -1}
+    assert rec.verification["level"] == "numeric" and rec.verification["max_abs"] <= 1e-6
+    d = json.loads(res.report.to_json())
+    assert d["schema_version"] == 1 and d["passes"][0]["name"] == "cleanup"
+
+
+def test_set_option_reaches_pass(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="cleanup", overrides=["cleanup.fold_constants=false"])
+    assert res.report.passes[0].options["fold_constants"] is False
+    assert "Mul" in res.report.ops_after  # nothing folded
+
+
+def test_unknown_pass_did_you_mean():
+    with pytest.raises(UsageError) as e:
+        registry.get("clenup")
+    assert "did you mean 'cleanup'" in e.value.hint
+
+
+def test_unknown_option_lists_accepted():
+    with pytest.raises(UsageError) as e:
+        registry.create("cleanup", {"bogus": 1})
+    assert "bogus" in e.value.message and "fold_constants" in e.value.hint
+
+
+def test_bad_option_value():
+    with pytest.raises(UsageError, match="not a bool"):
+        registry.create("cleanup", {"cse": "maybe"})
+
+
+def test_recipe_toml_roundtrip(tmp_path, mlp_path):
+    r = tmp_path / "r.toml"
+    r.write_text('name = "mine"\n[[step]]\npass = "cleanup"\noptions = { cse = false }\n')
+    rec = recipe.load(r)
+    assert rec.name == "mine" and rec.steps[0].options == {"cse": False}
+    res = pipeline.optimize(mlp_path, rec)
+    assert res.ok and res.report.recipe == "mine"
+
+
+def test_recipe_order_needs_checked(tmp_path):
+    class Late(GraphoptPass):
+        """Test-only: must run after cleanup."""
+
+        name = "test-late"
+        hidden = True
+        run_after = ("cleanup",)
+
+        def call(self, model):
+            return ir.passes.PassResult(model, False)
+
+    register(Late)
+    with pytest.raises(UsageError, match="must run after 'cleanup'"):
+        recipe.from_pass_list("test-late,cleanup").validate()
+    recipe.from_pass_list("cleanup,test-late").validate()
+
+
+def test_default_recipe_has_every_lossless_pass():
+    names = set(recipe.default().pass_names())
+    lossless = {n for n, c in registry.all_passes().items() if c.exact}
+    assert lossless <= names, f"default recipe misses {sorted(lossless - names)}"
+    assert all(registry.get(n).exact for n in names)
+
+
+def test_verify_structure_level_skips_numerics(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="test-corrupt-weight", verify_level="structure")
+    assert res.ok  # structure cannot see a numeric bug; numeric level does (test above)
+    assert "max_abs" not in res.report.passes[0].verification
+
+
+def test_io_save_is_atomic_and_refuses_input(tmp_path, mlp_path):
+    from graphopt.errors import ModelSaveError
+
+    m = io.load(mlp_path)
+    with pytest.raises(ModelSaveError, match="output path is the input path"):
+        io.save(m, mlp_path, src=mlp_path)
+    out = io.save(m, tmp_path / "x.onnx", src=mlp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.onnx", "x.onnx"]  # no temp files left
+    assert onnx.load(str(out)).graph.node
+
+
+def test_external_data_roundtrip(tmp_path, mlp_path, monkeypatch):
+    monkeypatch.setattr(io, "EXTERNAL_THRESHOLD", 16)
+    m = io.load(mlp_path)
+    out = io.save(m, tmp_path / "ext" / "m.onnx", external_data=True)
+    assert (tmp_path / "ext" / "m.onnx.data").exists()
+    m2 = io.load(out)
+    # lazily mapped: the tensor is external until read
+    assert any(isinstance(v.const_value, ir.ExternalTensor) for v in m2.graph.initializers.values())
+    res = pipeline.optimize(out, passes="cleanup")
+    assert res.ok
+    # above the protobuf limit the saver switches to external data by itself
+    monkeypatch.setattr(io, "PROTO_LIMIT", 100)
+    out2 = io.save(res.model, tmp_path / "big" / "m.onnx")
+    assert (tmp_path / "big" / "m.onnx.data").exists()
+    (tmp_path / "big" / "m.onnx.data").unlink()
+    from graphopt.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="external data file"):
+        io.load(out2)
