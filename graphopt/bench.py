@@ -71,7 +71,7 @@ def bench_sessions(
     names = list(sessions)
     prepared = {}
     for n, s in sessions.items():
-        wanted = {i.name for i in s.get_inputs()}
+        wanted = {i.name for i in s.get_inputs()} | {i.name for i in s.get_overridable_initializers()}
         prepared[n] = [{k: v for k, v in f.items() if k in wanted} for f in feeds]
     items = sum(_items(f) for f in feeds)
     for _ in range(warmup):

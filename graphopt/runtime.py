@@ -129,7 +129,7 @@ def _model_bytes_or_file(model: Any):
 def run(sess, feeds: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
     """Run ``sess`` on each feed; inputs the session doesn't take are dropped."""
     names = [o.name for o in sess.get_outputs()] if outputs is None else list(outputs)
-    wanted = {i.name for i in sess.get_inputs()}
+    wanted = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
     results = []
     for feed in feeds:
         f = {k: v for k, v in feed.items() if k in wanted}

@@ -49,6 +49,28 @@ class _InlineForeignFunctions(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, result.modified)
 
 
+class _SafeIdentityElimination(ir.passes.InPlacePass):
+    """Remove Identity nodes whose output is not a graph output (main graph and subgraphs).
+
+    onnx-ir's IdentityEliminationPass also rewires graph outputs to graph inputs, which turns a
+    Loop/Scan body output into its own input; ONNX Runtime then reads garbage (seen with a Loop
+    body ``cond_out = Identity(cond_in)``). Identities that feed a graph output are kept.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+            if node.op_type != "Identity" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
+                continue
+            src, out = node.inputs[0], node.outputs[0]
+            if src is None or out.is_graph_output():
+                continue
+            out.replace_all_uses_with(src)
+            node.graph.remove(node, safe=True)
+            modified = True
+        return ir.passes.PassResult(model, modified)
+
+
 class Cleanup(GraphoptPass):
     """Lossless cleanup: constant folding, shape simplification, DCE, identity removal, CSE, dedup."""
 
@@ -106,7 +128,7 @@ class Cleanup(GraphoptPass):
             # onnxscript's rules emit current-opset forms (e.g. Unsqueeze with an axes input)
             loop.append(RewritePass(_DEFAULT_REWRITE_RULES))
         loop += [
-            common.IdentityEliminationPass(),
+            _SafeIdentityElimination(),
             common.RemoveUnusedNodesPass(),
             common.RemoveUnusedFunctionsPass(),
             common.RemoveUnusedOpsetsPass(),

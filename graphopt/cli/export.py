@@ -6,7 +6,7 @@ A thin wrapper over ``graphopt.exporters.export``; torch and transformers load o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -23,16 +23,16 @@ def command(
         ),
     ] = "feature-extraction",
     exporter: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--exporter", help="dynamo or torchscript (default: dynamo, falling back to torchscript)."),
     ] = None,
     attn: Annotated[
-        Optional[str], typer.Option("--attn", help="Attention implementation: eager or sdpa (default: the model's).")
+        str | None, typer.Option("--attn", help="Attention implementation: eager or sdpa (default: the model's).")
     ] = None,
-    opset: Annotated[Optional[int], typer.Option("--opset", help="ONNX opset (default 20 dynamo, 17 torchscript).")] = None,
+    opset: Annotated[int | None, typer.Option("--opset", help="ONNX opset (default 20 dynamo, 17 torchscript).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 or fp16 weights.")] = "fp32",
     atol: Annotated[
-        Optional[float],
+        float | None,
         typer.Option("--atol", help="Parity tolerance, max |onnx - torch| on real tokens (default 1e-4; fp16 1e-2)."),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,

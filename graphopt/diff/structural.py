@@ -130,6 +130,7 @@ class Region:
     passes: dict[str, int]  # pass name -> number of B nodes tagged with it
     inputs: list[str]  # boundary values (A names) the region reads
     outputs: list[str]  # boundary values (A names, else B names) the region produces
+    shared_by: list[int] = dataclasses.field(default_factory=list)  # regions an A-only region fed
 
     @property
     def kind(self) -> str:
@@ -145,11 +146,12 @@ class Region:
         if self.kind == "rewritten":
             return f"{len(self.a_nodes)} nodes ({ops(self.a_ops)}) became {len(self.b_nodes)} ({ops(self.b_ops)}){by}"
         if self.kind == "removed":
-            return f"{len(self.a_nodes)} nodes removed ({ops(self.a_ops)})"
+            fed = f", shared by regions {', '.join(map(str, self.shared_by))}" if self.shared_by else ""
+            return f"{len(self.a_nodes)} nodes removed ({ops(self.a_ops)}){fed}{by}"
         return f"{len(self.b_nodes)} nodes added ({ops(self.b_ops)}){by}"
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["kind"] = self.kind
         d["summary"] = self.summary()
         return d
@@ -203,7 +205,7 @@ def _match_values_seed(ga: ir.Graph, gb: ir.Graph) -> tuple[dict[ir.Value, ir.Va
     for name, va in ia.items():
         if name not in used_a and va.const_value is not None:
             by_hash[tensor_hash(va.const_value)].append(name)
-    for name, vb in ib.items():
+    for vb in ib.values():
         if vb in b2a or vb.const_value is None:
             continue
         cands = by_hash.get(tensor_hash(vb.const_value))
@@ -354,52 +356,106 @@ class _UnionFind:
 
 
 def find_regions(m: Matching) -> list[Region]:
-    """Group the unmatched nodes of both graphs into rewritten regions."""
+    """Group the unmatched nodes of both graphs into rewritten regions.
+
+    B's unmatched nodes form components (joined through values without a counterpart). Each
+    unmatched A node joins the B component whose paired output values it feeds (through unmatched
+    A nodes, stopping at paired values). A nodes feeding several components (e.g. a mask
+    computation shared by every fused attention) form their own region, which records the regions
+    it fed in ``shared_by``; A nodes feeding none are grouped among themselves (removed).
+    """
     a_idx = {id(n): i for i, n in enumerate(m.a_nodes)}
     b_idx = {id(n): i for i, n in enumerate(m.b_nodes)}
-    a_un = [i for i in range(len(m.a_nodes)) if i not in set(m.node_b2a.values())]
+    matched_a = set(m.node_b2a.values())
+    a_un = [i for i in range(len(m.a_nodes)) if i not in matched_a]
     b_un = [j for j in range(len(m.b_nodes)) if j not in m.node_b2a]
     a_un_set, b_un_set = set(a_un), set(b_un)
     a2b_val = {va: vb for vb, va in m.value_b2a.items()}
-    uf = _UnionFind()
-    for i in a_un:
-        uf.find(("a", i))
-        for v in m.a_nodes[i].outputs:
-            if v in a2b_val:
-                vb = a2b_val[v]
-                p = vb.producer()
-                if p is not None and b_idx.get(id(p)) in b_un_set:
-                    uf.union(("a", i), ("b", b_idx[id(p)]))
-                continue  # a paired value cuts the graph
-            for user, _ in v.uses():
-                k = a_idx.get(id(user))
-                if k in a_un_set:
-                    uf.union(("a", i), ("a", k))
+
+    # 1. components of B's unmatched nodes
+    uf_b = _UnionFind()
     for j in b_un:
-        uf.find(("b", j))
+        uf_b.find(j)
         for v in m.b_nodes[j].outputs:
             if v in m.value_b2a:
-                continue
+                continue  # a paired value cuts the graph
             for user, _ in v.uses():
                 k = b_idx.get(id(user))
                 if k in b_un_set:
-                    uf.union(("b", j), ("b", k))
-    groups: dict = collections.defaultdict(list)
-    for key in list(uf.parent):
-        groups[uf.find(key)].append(key)
+                    uf_b.union(j, k)
+    comp_of_b = {j: uf_b.find(j) for j in b_un}
+
+    # 2. which B components each unmatched A node feeds (reverse topological order)
+    reach: dict[int, frozenset] = {}
+    for i in reversed(a_un):
+        acc: set = set()
+        for v in m.a_nodes[i].outputs:
+            if v in a2b_val:
+                p = a2b_val[v].producer()
+                if p is not None and b_idx.get(id(p)) in b_un_set:
+                    acc.add(comp_of_b[b_idx[id(p)]])
+                continue
+            for user, _ in v.uses():
+                k = a_idx.get(id(user))
+                if k in a_un_set:
+                    acc |= reach.get(k, frozenset())
+        reach[i] = frozenset(acc)
+
+    # 3. group: single-component A nodes join it; shared and orphan A nodes group by connectivity
+    uf = _UnionFind()
+    for j in b_un:
+        uf.find(("b", comp_of_b[j]))
+    for i in a_un:
+        if len(reach[i]) == 1:
+            uf.union(("b", next(iter(reach[i]))), ("a", i))
+        elif reach[i]:
+            uf.union(("shared", reach[i]), ("a", i))  # one region per set of fed components
+        else:
+            uf.find(("a", i))
+    for i in a_un:
+        if len(reach[i]) == 1:
+            continue
+        for v in m.a_nodes[i].outputs:
+            if v in a2b_val:
+                continue
+            for user, _ in v.uses():
+                k = a_idx.get(id(user))
+                if k in a_un_set and len(reach[k]) != 1 and (len(reach[k]) == 0) == (len(reach[i]) == 0):
+                    uf.union(("a", i), ("a", k))
+    members: dict = collections.defaultdict(lambda: ([], []))
+    for i in a_un:
+        members[uf.find(("a", i))][0].append(i)
+    for j in b_un:
+        members[uf.find(("b", comp_of_b[j]))][1].append(j)
+
     regions = []
-    for members in groups.values():
-        an = sorted(i for s, i in members if s == "a")
-        bn = sorted(j for s, j in members if s == "b")
+    root_of_comp = {}
+    for root, (an, bn) in members.items():
+        an.sort()
+        bn.sort()
         a_ops = collections.Counter(op_key(m.a_nodes[i]) for i in an)
         b_ops = collections.Counter(op_key(m.b_nodes[j]) for j in bn)
         passes = collections.Counter(p for j in bn if (p := pass_of(m.b_nodes[j])))
         ins, outs = _boundary(m, an, bn, a2b_val)
-        regions.append(Region(0, [f"a{i}" for i in an], [f"b{j}" for j in bn], dict(a_ops), dict(b_ops),
-                              dict(passes), ins, outs))
-    regions.sort(key=lambda r: (int(r.a_nodes[0][1:]) if r.a_nodes else 10**9, int(r.b_nodes[0][1:]) if r.b_nodes else 0))
+        r = Region(0, [f"a{i}" for i in an], [f"b{j}" for j in bn], dict(a_ops), dict(b_ops), dict(passes), ins, outs)
+        r._root = root  # type: ignore[attr-defined]
+        regions.append(r)
+        for j in bn:
+            root_of_comp[comp_of_b[j]] = r
+    regions.sort(key=lambda r: min([int(x[1:]) for x in r.a_nodes] or [10**9]) * 1.0
+                 + min([int(x[1:]) for x in r.b_nodes] or [0]) * 1e-9)
     for k, r in enumerate(regions):
         r.id = k
+    for r in regions:
+        if r.b_nodes or not r.a_nodes:
+            continue
+        fed = set().union(*(reach[int(x[1:])] for x in r.a_nodes))
+        if fed:
+            targets = sorted({root_of_comp[c].id for c in fed if c in root_of_comp})
+            r.shared_by = targets
+            for t in targets:
+                for p in regions[t].passes:
+                    r.passes.setdefault(p, 0)
     return regions
 
 
