@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent
 # test helpers (testmodels.py) import as plain modules under --import-mode=importlib
 sys.path.insert(0, str(REPO / "tests"))
 from testmodels import make_mlp  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

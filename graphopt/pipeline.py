@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import PASS_TAG, feeds as feeds_mod, io, recipe as recipe_mod, registry
+from graphopt import PASS_TAG, io, registry
+from graphopt import feeds as feeds_mod
+from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, VerificationError
 from graphopt.metrics import Budget, parse_budget
 from graphopt.report import PassRecord, Report, count_nodes, op_delta, op_histogram

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx

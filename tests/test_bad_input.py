@@ -7,7 +7,6 @@ import os
 import onnx
 import pytest
 from onnx import TensorProto, helper
-
 from testmodels import make_mlp
 
 ERROR, USAGE = 1, 2

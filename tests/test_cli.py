@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from testmodels import make_mlp
 
 from graphopt import feeds as feeds_mod
-from testmodels import make_mlp
 
 
 def test_help_is_fast_and_lists_commands():

@@ -10,8 +10,7 @@ import sys
 
 import typer
 
-from graphopt.cli import bench, export, feeds, inspect_cmd, optimize, passes, verify
-from graphopt.cli import diff
+from graphopt.cli import bench, diff, export, feeds, inspect_cmd, optimize, passes, verify
 from graphopt.errors import EXIT_ERROR, GraphoptError
 
 app = typer.Typer(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,20 +24,20 @@ Examples:
 
 def command(
     model: Annotated[Path, typer.Argument(help="Input ONNX model.", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output ONNX file.")] = None,
-    passes: Annotated[Optional[str], typer.Option("--passes", help="Comma-separated pass names (instead of the default recipe).")] = None,
-    recipe: Annotated[Optional[str], typer.Option("--recipe", help="Recipe TOML file or builtin recipe name.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Pass option PASS.KEY=VALUE (repeatable).")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output ONNX file.")] = None,
+    passes: Annotated[str | None, typer.Option("--passes", help="Comma-separated pass names (instead of the default recipe).")] = None,
+    recipe: Annotated[str | None, typer.Option("--recipe", help="Recipe TOML file or builtin recipe name.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Pass option PASS.KEY=VALUE (repeatable).")] = None,
     calib: Calib = None,
     budget: Budget = None,
     provider: Provider = "cpu",
     verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
-    report: Annotated[Optional[Path], typer.Option("--report", help="Write the JSON report here.")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here.")] = None,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Roll back a failing pass and continue (exit 0).")] = False,
-    debug_dir: Annotated[Optional[Path], typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
+    debug_dir: Annotated[Path | None, typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
-    external_data: Annotated[Optional[bool], typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
+    external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No table on stdout.")] = False,
 ) -> None:
     """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 Calib = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option("--calib", help="Folder of .npz feeds (input name -> array), e.g. from `graphopt feeds`."),
 ]
 Budget = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--budget", help="Accuracy budget such as 'cosine>=0.99' (repeatable)."),
 ]
 Provider = Annotated[str, typer.Option("--provider", help="Execution provider to target: cpu or cuda.")]
