@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -44,7 +46,9 @@ def _concrete_proto(model: ir.Model, batch: int, seq: int) -> onnx.ModelProto:
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=True)
+        # it saves a temp model into the current folder when inference is incomplete: not the user's
+        with tempfile.TemporaryDirectory() as d, contextlib.chdir(d):
+            return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=True)
     except Exception as e:  # fall back to ONNX's inference (does not know contrib ops)
         logger.info("symbolic shape inference failed (%s); using onnx shape inference", e)
         return onnx.shape_inference.infer_shapes(proto, data_prop=True)
