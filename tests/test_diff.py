@@ -140,7 +140,8 @@ def test_json_schema_is_stable():
     assert d["schema_version"] == SCHEMA_VERSION
     assert list(d) == ["schema_version", "a", "b", "summary", "op_histogram", "regions", "modified",
                        "initializers", "io", "params", "flops", "subgraphs", "graphs", "numeric"]
-    region_keys = {"id", "kind", "summary", "a_nodes", "b_nodes", "a_ops", "b_ops", "passes", "inputs", "outputs"}
+    region_keys = {"id", "kind", "summary", "a_nodes", "b_nodes", "a_ops", "b_ops", "passes", "inputs", "outputs",
+                   "shared_by"}
     assert set(d["regions"][0]) == region_keys
     node_keys = {"id", "name", "op", "status", "match", "region", "pass", "changes", "inputs", "outputs"}
     assert node_keys <= set(d["graphs"]["b"][0])
