@@ -29,9 +29,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--enable-logging=stderr", "--v=0", "--window-size=1400,1000"]
 
 
-def _chromium(page: Path, *extra: str) -> subprocess.CompletedProcess:
+def _chromium(page: Path, *extra: str, fragment: str = "") -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="graphopt-chromium-") as profile:
-        return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *extra, page.as_uri()],
+        return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *extra, page.as_uri() + fragment],
                               capture_output=True, text=True, timeout=90)
 
 
@@ -76,6 +76,16 @@ def test_html_collapses_unchanged_stretches(tmp_path):
     # 22 unchanged nodes before mm3 become one box per side; mm3 (modified) stays visible
     assert dom.count('class="node group"') == 2 and "22 unchanged" in dom
     assert "rendered A: 23 nodes (2 boxes), B: 23 nodes (2 boxes)" in dom
+
+
+def test_html_locates_a_region(report):
+    """``#region=N`` (like a click on the region table) highlights the region's nodes on both sides."""
+    proc = _chromium(report, "--dump-dom", fragment="#region=1")
+    assert _console_messages(proc.stderr) == []
+    highlighted = re.findall(r'class="node (\w+)[^"]* hl" id="node-([ab]\d+)"', proc.stdout)
+    assert sorted(side for _, side in highlighted)[0].startswith("a")
+    assert len([1 for _, n in highlighted if n.startswith("a")]) == 9
+    assert [n for _, n in highlighted if n.startswith("b")] == ["b5"]
 
 
 def test_html_screenshot(report, tmp_path):

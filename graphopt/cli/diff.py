@@ -16,8 +16,8 @@ from graphopt.errors import EXIT_VERIFY
 
 
 def command(
-    a: Annotated[Path, typer.Argument(help="Model A (before), an .onnx file.")],
-    b: Annotated[Path, typer.Argument(help="Model B (after), an .onnx file.")],
+    a: Annotated[Path, typer.Argument(help="Model A (before), an .onnx file.", metavar="A")],
+    b: Annotated[Path, typer.Argument(help="Model B (after), an .onnx file.", metavar="B")],
     numeric: Annotated[bool, typer.Option("--numeric", help="Run both models and compare shared tensors.")] = False,
     calib: Calib = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write the JSON diff to FILE ('-' = stdout).",

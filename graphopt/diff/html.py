@@ -21,6 +21,7 @@ header{padding:10px 16px;background:#263238;color:#eee}
 header h1{font-size:16px;margin:0 0 4px 0}
 .summary{padding:8px 16px}
 .summary table{border-collapse:collapse;margin:4px 0}
+.regions{max-height:28vh;overflow:auto;display:inline-block}
 .summary td,.summary th{border:1px solid #ccc;padding:2px 6px;text-align:left}
 .summary tr.region{cursor:pointer}
 .summary tr.region:hover{background:#e3f2fd}
@@ -198,6 +199,8 @@ function drawAll(){
   document.title = document.title.replace(/( \u2014 rendered)?$/, ' \u2014 rendered');
 }
 drawAll();
+const want = /region=(\d+)/.exec(location.hash);
+if (want && D.regions[+want[1]]) showRegion(+want[1]);
 })();
 """
 
@@ -222,8 +225,8 @@ def _summary_html(r: DiffResult) -> str:
             f"<td>{_esc(', '.join(g['passes']) or '-')}</td><td>{_esc(g['summary'])}</td></tr>"
             for g in r.regions
         )
-        parts.append("<table><tr><th>#</th><th>kind</th><th>pass</th><th>what (click to locate)</th></tr>"
-                     f"{rows}</table>")
+        parts.append("<div class='regions'><table><tr><th>#</th><th>kind</th><th>pass</th>"
+                     f"<th>what (click to locate)</th></tr>{rows}</table></div>")
     delta = r.op_histogram["delta"]
     if delta:
         parts.append("<p>op delta: " + ", ".join(f"{_esc(k)} {v:+d}" for k, v in delta.items()) + "</p>")

@@ -20,6 +20,9 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
