@@ -7,7 +7,7 @@ writing it. Importing this package is cheap: torch and transformers load inside 
 
 from __future__ import annotations
 
-from graphopt.exporters.export import ExportResult, export
+from graphopt.exporters.export import ExportResult, check_parity, export
 from graphopt.exporters.tasks import TASKS
 
-__all__ = ["export", "ExportResult", "TASKS"]
+__all__ = ["export", "check_parity", "ExportResult", "TASKS"]

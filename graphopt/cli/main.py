@@ -22,7 +22,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-app.command("optimize", no_args_is_help=True)(optimize.command)
+app.command("optimize", no_args_is_help=True, epilog=optimize.EPILOG)(optimize.command)
 app.command("passes")(passes.command)
 app.command("inspect", no_args_is_help=True)(inspect_cmd.command)
 app.command("verify", no_args_is_help=True)(verify.command)
