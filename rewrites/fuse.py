@@ -1,0 +1,274 @@
+"""Fuse transformer subgraphs into ONNX Runtime contrib ops, whichever exporter made the graph.
+
+Pass ``fuse``: lossless. It prepares the graph (constant folding, shape inference, symbolic shapes,
+see ``fuse_shapes``) and then applies rule families in order; each rule matches a subgraph, checks
+it (every refusal has a reason, shown by ``--explain fuse``) and rewrites it with the builder::
+
+    LayerNormalization(Add(x, skip [+ bias]))          ──▶ SkipLayerNormalization
+    x*0.5*(1+Erf(x/sqrt2))  /  tanh form               ──▶ Gelu / FastGelu
+    Gelu(Add(MatMul(x, W), b))                         ──▶ BiasGelu(MatMul(x, W), b)
+    Reshape/Transpose(q,k,v) ─ MatMul ─ scale ─ (+mask) ─ Softmax ─ [IsNaN/Where] ─ MatMul ─ Transpose/Reshape
+                                                       ──▶ MultiHeadAttention ──▶ Attention (packed QKV)
+    LayerNormalization(Gather(word, ids) + Gather(type, tt) + Gather(pos, 0..S-1))
+                                                       ──▶ EmbedLayerNormalization (see fuse_embed_layernorm)
+    RMSNorm / SkipRMSNorm / RotaryEmbedding / GQA      ──▶ (Skip)SimplifiedLayerNormalization, RotaryEmbedding,
+                                                           GroupQueryAttention (decoders)
+
+The attention, layer-norm, GELU, rotary and GQA rules are onnxscript's ``ort_fusions`` (used as a
+dependency); graphopt adds the shape preparation that lets them see TorchScript exports and the
+embedding fusion. Nothing is fused where an intermediate value is used outside the matched subgraph
+(the rewriter refuses such matches), and where no pattern matches the graph is left as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from graphopt.registry import GraphoptPass, register
+
+logger = logging.getLogger(__name__)
+
+#: the fusion rules emit current-opset forms; older graphs are left alone
+MIN_OPSET = 13
+
+#: op types whose count tells what was fused (for the report and --explain)
+FUSED_OPS = (
+    "Attention",
+    "MultiHeadAttention",
+    "GroupQueryAttention",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+    "SimplifiedLayerNormalization",
+    "EmbedLayerNormalization",
+    "BiasGelu",
+    "FastGelu",
+    "Gelu",
+    "RotaryEmbedding",
+)
+
+
+def _prepare(model: ir.Model) -> str | None:
+    """Fold constants, infer shapes, simplify shape arithmetic; annotate symbolic shapes."""
+    from graphopt.rewrites.fuse_shapes import annotate_symbolic_shapes
+    from onnxscript.optimizer import optimize
+    from onnxscript.rewriter.ort_fusions import shape_optimization
+
+    common_passes.ShapeInferencePass()(model)
+    optimize(model, inline=False)  # graphopt's own ai.graphopt functions stay functions
+    shape_optimization.rules.apply_to_model(model)
+    optimize(model, inline=False)
+    return annotate_symbolic_shapes(model)
+
+
+def _steps(opts: FusePass) -> list[tuple[str, Any]]:
+    """(rule family, onnxscript RewriteRuleSet or callable) in the order they must run."""
+    from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
+    from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
+    from onnxscript.rewriter.ort_fusions import (
+        attention,
+        bias_gelu,
+        cos_sin_cache,
+        erfgelu,
+        gelu,
+        gqa,
+        gqa_packed_qkv,
+        mha,
+        mha_bias,
+        mha_scale,
+        rms_normalization,
+        rotary_embedding,
+        sdpa,
+        sdpa_via_mha,
+        skip_normalization,
+    )
+
+    def cse(model):
+        common_passes.CommonSubexpressionEliminationPass()(model)
+        return 0
+
+
+    steps: list[tuple[str, Any]] = [("canonical", canonical_rules), ("identity_reshape", _ThenDropIdentities(shape_rules))]
+    if opts.embed_layer_norm:
+        steps.append(("embed_layer_normalization", embed_layer_norm_rules))
+    if opts.gelu != "off":
+        steps.append(("erf_gelu", erfgelu.rules))
+    if opts.layer_norm:
+        steps += [
+            ("rms_normalization", rms_normalization.rms_normalization_ruleset),
+            ("skip_layer_normalization", skip_normalization.skip_layer_normalization_ruleset),
+            ("skip_rms_normalization", skip_normalization.skip_rms_normalization_ruleset),
+        ]
+    if opts.rotary:
+        steps += [
+            ("rotary_embedding", rotary_embedding.rotary_embedding_rules),
+            ("cos_sin_cache", cos_sin_cache.cos_sin_cache_rules),
+            ("cse", cse),
+            ("partial_rotary_embedding", rotary_embedding.partial_embedding_rules),
+        ]
+    if opts.attention:
+        steps += [
+            ("sdpa", _ThenInferShapes(sdpa.sdpa_rules)),
+            ("gqa", gqa.gqa_rules),
+            ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa_rules),
+            ("mha1", mha.mha_rules_with_past),
+            ("mha2", mha.mha_rules_no_past),
+            ("mha_scale", mha_scale._mha_scale_rules),
+            ("mha_bias", mha_bias.mha_bias_rules),
+            ("attention", attention.attention_rules),
+        ]
+    if opts.gelu != "off":
+        steps.append(("gelu", gelu.gelu_rules))
+        steps.append(("bias_gelu", bias_gelu.bias_gelu_rules))
+    if opts.attention:
+        # an SDPA left without a MultiHeadAttention form is expanded into MultiHeadAttention + reshapes
+        steps.append(("sdpa_via_mha", sdpa_via_mha._rules))
+    return steps
+
+
+class _ThenInferShapes:
+    """A rule set whose rewrites add nodes that later rules need shapes on."""
+
+    def __init__(self, rules):
+        self.rules = rules
+
+    def apply_to_model(self, model: ir.Model, **kwargs) -> int:
+        n = self.rules.apply_to_model(model, **kwargs)
+        if n:
+            common_passes.ShapeInferencePass()(model)
+        return n
+
+
+class _ThenDropIdentities(_ThenInferShapes):
+    """A rule set that rewrites to ``Identity``; the identities are then removed."""
+
+    def apply_to_model(self, model: ir.Model, **kwargs) -> int:
+        n = self.rules.apply_to_model(model, **kwargs)
+        if n:
+            common_passes.IdentityEliminationPass()(model)
+        return n
+
+
+def _apply(step: Any, model: ir.Model) -> int:
+    if callable(step):
+        return step(model)
+    return step.apply_to_model(model)
+
+
+def _why_not(step: Any, model: ir.Model, rule_name: str) -> str | None:
+    """The best partial match of a rule family and why it failed, as one line (or None)."""
+    if callable(step):
+        return None
+    from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+
+    tracer = MatchingTracer()
+    step.apply_to_model(model, tracer=tracer)
+    best = None
+    for rule, matches in tracer.best_matches_map.items():
+        for m in matches:
+            if m.status == MatchStatus.SUCCESS:
+                continue
+            if best is None or m.score() > best[1].score():
+                best = (rule, m)
+    if best is None:
+        return None
+    rule, m = best
+    reason = m.match_result.reason or m.status.name
+    return f"fuse: {rule_name} ({rule.name or type(rule).__name__}) at {m.root_node.op_type} {m.root_node.name!r}: {reason}"
+
+
+class FusePass(GraphoptPass):
+    """Fuse attention, LayerNorm, GELU and embeddings into ONNX Runtime contrib ops (any exporter)."""
+
+    name = "fuse"
+    exact = True
+    emits = tuple(f"com.microsoft::{op}" for op in FUSED_OPS)
+    run_after = ("cleanup",)
+
+    def __init__(
+        self,
+        *,
+        attention: bool = True,
+        layer_norm: bool = True,
+        gelu: str = "auto",
+        embed_layer_norm: bool = True,
+        rotary: bool = True,
+    ):
+        super().__init__()
+        if gelu not in ("auto", "off"):
+            from graphopt.errors import UsageError
+
+            raise UsageError(f"fuse.gelu must be 'auto' or 'off', got {gelu!r}")
+        self.attention = attention
+        self.layer_norm = layer_norm
+        self.gelu = gelu
+        self.embed_layer_norm = embed_layer_norm
+        self.rotary = rotary
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from onnxscript.optimizer import optimize
+
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        if opset < MIN_OPSET:
+            self.context.notes.append(f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is")
+            return ir.passes.PassResult(model, modified=False)
+        reason = _prepare(model)
+        if reason:
+            logger.info("fuse: %s; TorchScript-style attention may stay unfused", reason)
+            if self.context.explain:
+                self.context.notes.append(f"fuse: shapes: {reason}")
+        counts: dict[str, int] = {}
+        steps = _steps(self)
+        misses: list[str] = []
+        for rule_name, step in steps:
+            n = _apply(step, model)
+            if n:
+                counts[rule_name] = n
+            elif self.context.explain:
+                # traced right away: the graph is the one the rule just failed on, so nothing matches
+                why = _why_not(step, model, rule_name)
+                if why:
+                    misses.append(why)
+        if not counts:
+            # nothing fused: report unmodified so the pipeline keeps the graph exactly as it was
+            # (the preparation above folded constants and inferred shapes on this working copy)
+            if self.context.explain:
+                self.context.notes.extend(_explain(model, misses))
+            return ir.passes.PassResult(model, modified=False)
+        optimize(model, inline=False)
+        common_passes.RemoveUnusedNodesPass()(model)
+        for k, v in counts.items():
+            self.context.rule_counts[k] = v
+        if self.context.explain:
+            self.context.notes.extend(_explain(model, misses))
+        return ir.passes.PassResult(model, modified=True)
+
+
+def _op_counts(model: ir.Model) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        out[node.op_type] = out.get(node.op_type, 0) + 1
+    return out
+
+
+def _explain(model: ir.Model, misses: list[str]) -> list[str]:
+    """Why expected sites stayed unfused: the fusion status plus each idle rule's best near-miss."""
+    from graphopt.fusion_status import fusion_status
+
+    status = fusion_status(model)
+    notes = []
+    if not status["fully_fused"]:
+        notes.extend(misses)
+    for kind in ("attention", "layer_norm", "gelu"):
+        s = status[kind]
+        if s["unfused"]:
+            notes.append(f"fuse: {s['unfused']} {kind} site(s) left unfused: {', '.join(s['unfused_nodes'][:5])}")
+    if not notes:
+        notes.append("fuse: every attention, LayerNorm and GELU site is fused")
+    return notes
+
+
+register(FusePass)

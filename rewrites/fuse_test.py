@@ -1,0 +1,174 @@
+"""Tests of the ``fuse`` pass: small graphs per fusion, refusals, and MiniLM from four exporters."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt import registry
+from graphopt.feeds import generate
+from graphopt.fusion_status import fusion_status
+from graphopt.metrics import compare
+from graphopt.runtime import make_session, run
+
+RNG = np.random.default_rng(0)
+D, F = 8, 16
+
+
+def _init(name, shape, scale=0.3):
+    return numpy_helper.from_array((RNG.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def _model(nodes, inits, outputs=("y",), opset=17) -> ir.Model:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", D])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["batch", "seq", None]) for o in outputs],
+        inits,
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(proto)
+    return ir.serde.deserialize_model(proto)
+
+
+def _erf_gelu(x: str, y: str) -> list:
+    """y = x * 0.5 * (1 + erf(x / sqrt 2)) as exporters write it."""
+    return [
+        helper.make_node("Div", [x, "sqrt2"], [f"{y}_d"]),
+        helper.make_node("Erf", [f"{y}_d"], [f"{y}_e"]),
+        helper.make_node("Add", [f"{y}_e", "one"], [f"{y}_a"]),
+        helper.make_node("Mul", [x, f"{y}_a"], [f"{y}_m"]),
+        helper.make_node("Mul", [f"{y}_m", "half"], [y]),
+    ]
+
+
+def _consts():
+    return [
+        numpy_helper.from_array(np.array(np.sqrt(2.0), np.float32), "sqrt2"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+    ]
+
+
+def _ffn_model(extra_output: str | None = None) -> ir.Model:
+    """x ─ MatMul ─ Add(b1) ─ erf-GELU ─ MatMul ─ Add(b2) ─ Add(x) ─ LayerNorm ─ y."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Add", ["h", "b1"], ["hb"]),
+        *_erf_gelu("hb", "g"),
+        helper.make_node("MatMul", ["g", "w2"], ["o"]),
+        helper.make_node("Add", ["o", "b2"], ["ob"]),
+        helper.make_node("Add", ["ob", "x"], ["r"]),
+        helper.make_node("LayerNormalization", ["r", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5),
+    ]
+    inits = [
+        _init("w1", (D, F)), _init("b1", (F,)), _init("w2", (F, D)), _init("b2", (D,)),
+        _init("gamma", (D,), 1.0), _init("beta", (D,)), *_consts(),
+    ]
+    outputs = ("y",) if extra_output is None else ("y", extra_output)
+    return _model(nodes, inits, outputs)
+
+
+def _feeds(batch=2, seq=5):
+    return [{"x": RNG.standard_normal((batch, seq, D)).astype(np.float32)}]
+
+
+def _ops(model: ir.Model) -> collections.Counter:
+    return collections.Counter(n.op_type for n in model.graph)
+
+
+def _fuse(model: ir.Model, **opts):
+    feeds = _feeds()
+    ref = run(make_session(model, optimize=False), feeds)
+    p = registry.create("fuse", opts)
+    p.context.explain = True
+    result = p(model)
+    got = run(make_session(result.model, optimize=False), feeds)
+    cmp = compare(got, ref, feeds)
+    return result, p, cmp
+
+
+def test_registered():
+    cls = registry.get("fuse")
+    assert cls.exact and "cleanup" in cls.run_after
+    assert "com.microsoft::Attention" in cls.emits
+    assert cls.summary()
+
+
+def test_skip_layernorm_and_bias_gelu():
+    result, p, cmp = _fuse(_ffn_model())
+    ops = _ops(result.model)
+    assert ops["SkipLayerNormalization"] == 1 and ops["BiasGelu"] == 1, ops
+    assert ops["Erf"] == 0 and ops["LayerNormalization"] == 0
+    assert cmp.worst("max_abs") <= 1e-5
+    assert p.context.rule_counts["bias_gelu"] == 1
+    assert fusion_status(result.model)["fully_fused"]
+
+
+def test_gelu_off_keeps_erf():
+    result, _, cmp = _fuse(_ffn_model(), gelu="off")
+    ops = _ops(result.model)
+    assert ops["Erf"] == 1 and ops["BiasGelu"] == 0
+    assert ops["SkipLayerNormalization"] == 1
+    assert cmp.worst("max_abs") <= 1e-5
+
+
+def test_refuses_when_intermediate_is_used_outside():
+    """The GELU's input is also a graph output: no BiasGelu may swallow it."""
+    result, _, cmp = _fuse(_ffn_model(extra_output="hb"))
+    ops = _ops(result.model)
+    assert ops["BiasGelu"] == 0, ops
+    assert "hb" in [o.name for o in result.model.graph.outputs]
+    assert cmp.worst("max_abs") <= 1e-5
+    assert not fusion_status(result.model)["fully_fused"] or ops["Gelu"] == 1
+
+
+def test_unknown_gelu_mode_is_rejected():
+    from graphopt.errors import UsageError
+
+    with pytest.raises(UsageError):
+        registry.create("fuse", {"gelu": "sometimes"})
+
+
+def test_explain_names_unfused_sites():
+    result, p, _ = _fuse(_ffn_model(), layer_norm=False)
+    assert not fusion_status(result.model)["fully_fused"]
+    assert any("layer_norm" in n for n in p.context.notes), p.context.notes
+
+
+def test_fusion_status_counts_unfused():
+    status = fusion_status(_ffn_model())
+    assert status["gelu"]["unfused"] == 1
+    assert status["layer_norm"]["unfused"] == 1
+    assert status["attention"] == {"fused": 0, "unfused": 0, "unfused_nodes": []}
+    assert not status["fully_fused"]
+
+
+# ------------------------------------------------------------------ MiniLM, four exporters
+
+EXPECTED = {"Attention": 6, "SkipLayerNormalization": 12, "BiasGelu": 6, "EmbedLayerNormalization": 1}
+
+
+@pytest.mark.parametrize("exporter,attn", [
+    ("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa"),
+])
+def test_minilm_fully_fused(minilm, exporter, attn):
+    model = ir.load(minilm(exporter, attn))
+    feeds = generate(model)
+    assert any(f["attention_mask"].min() == 0 for f in feeds), "feeds must include padding"
+    ref = run(make_session(model, optimize=False), feeds)
+    p = registry.create("fuse")
+    p(model)
+    ops = _ops(model)
+    assert {k: ops[k] for k in EXPECTED} == EXPECTED, ops
+    assert ops["Softmax"] == 0 and ops["Erf"] == 0 and ops["LayerNormalization"] == 0
+    status = fusion_status(model)
+    assert status["fully_fused"], status
+    got = run(make_session(model, optimize=False), feeds)
+    assert compare(got, ref, feeds).worst("max_abs") <= 1e-4
