@@ -38,9 +38,12 @@ def command(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Export a model to ONNX and check it against PyTorch (exit 3 when it does not match)."""
+    from rich.console import Console
+
     from graphopt.exporters import export
 
-    result = export(src, output, task=task, exporter=exporter, attn=attn, opset=opset, dtype=dtype, atol=atol)
+    with Console(stderr=True).status(f"exporting {src} ({task}) and checking parity with PyTorch ..."):
+        result = export(src, output, task=task, exporter=exporter, attn=attn, opset=opset, dtype=dtype, atol=atol)
     if json_out:
         import json
 

@@ -1,0 +1,74 @@
+"""Shared helpers of the model-building scripts: the cache folder and atomic placement.
+
+The cache is ``$GRAPHOPT_CACHE`` or ``~/.cache/graphopt/models``. Every artefact is built in a
+temporary name beside its final one and moved into place with ``os.replace``, so a reader (or a
+parallel build) never sees a half-written model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir(cache: str | os.PathLike | None = None) -> Path:
+    """The models cache folder (created)."""
+    p = Path(cache) if cache else Path(os.environ.get("GRAPHOPT_CACHE") or Path.home() / ".cache" / "graphopt" / "models")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def offline() -> None:
+    """No model hub: everything here is local."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def place_file(src: Path, dst: Path) -> Path:
+    """Copy ``src`` (and its ``.data`` file, if any) to ``dst`` atomically."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    data = Path(str(src) + ".data")
+    if data.exists():
+        tmp = dst.parent / f".{dst.name}.data.{os.getpid()}.tmp"
+        shutil.copyfile(data, tmp)
+        os.replace(tmp, Path(str(dst) + ".data"))
+    tmp = dst.parent / f".{dst.name}.{os.getpid()}.tmp"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
+def place_dir(build, dst: Path) -> Path:
+    """Run ``build(tmp_folder)`` and move the folder to ``dst`` (kept if another process won)."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        build(tmp)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def export_cached(src, name: str, *, task: str, exporter: str = "dynamo", attn: str | None = None,
+                  cache: str | os.PathLike | None = None, force: bool = False, **kw) -> Path:
+    """``graphopt.exporters.export`` into ``cache/name.onnx`` unless it is there already."""
+    from graphopt.exporters import export
+
+    out = cache_dir(cache) / f"{name}.onnx"
+    if out.exists() and not force:
+        return out
+    # export() writes through graphopt.io.save: temp file in the target folder, then rename.
+    result = export(src, out, task=task, exporter=exporter, attn=attn, **kw)
+    logger.info("%s: %s, max_abs %.3g", out.name, result.exporter, result.parity.max_abs)
+    return out
