@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import onnx_ir as ir
+
 from graphopt.exporters.sources import Prepared
 
 logger = logging.getLogger(__name__)

@@ -65,9 +65,8 @@ def export(
     ``atol``: max absolute difference allowed per output on real tokens (default 1e-4 fp32, 1e-2 fp16).
     Raises ExportError, ParityError (exit 3) or UsageError; on any failure no file is written.
     """
-    from graphopt.exporters import backends, parity, sources, tasks
-
     from graphopt import io
+    from graphopt.exporters import backends, parity, sources, tasks
 
     t0 = time.perf_counter()
     spec = tasks.get_task(task)
@@ -152,9 +151,8 @@ def check_parity(
     Useful for cached exports: the same feeds and tolerance as ``export``; raises ParityError on failure.
     ``attn`` should match the attention implementation the file was exported with (its metadata).
     """
-    from graphopt.exporters import parity, sources, tasks
-
     from graphopt import io
+    from graphopt.exporters import parity, sources, tasks
 
     spec = tasks.get_task(task)
     io.load(model_path)  # a readable ONNX file, or ModelLoadError

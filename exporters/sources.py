@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from graphopt.exporters.tasks import TaskSpec, check_supported, make_wrapper
 
 from graphopt.errors import ExportError, UsageError
+from graphopt.exporters.tasks import TaskSpec, check_supported, make_wrapper
 
 logger = logging.getLogger(__name__)
 

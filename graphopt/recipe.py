@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from graphopt import registry
 from graphopt.errors import RecipeError, UsageError

@@ -75,6 +75,7 @@ def build_folder(family: str, task: str, cache_dir: str | os.PathLike | None = N
     """The HF folder (config.json + model.safetensors) of ``family`` with the head ``task`` needs."""
     import torch
     import transformers
+
     from graphopt.exporters.tasks import get_task
 
     if task not in FAMILIES.get(family, []):

@@ -4,11 +4,15 @@ Pass ``fuse``: lossless. It prepares the graph (constant folding, shape inferenc
 see ``fuse_shapes``) and then applies rule families in order; each rule matches a subgraph, checks
 it (every refusal has a reason, shown by ``--explain fuse``) and rewrites it with the builder::
 
+    ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add ──▶ LayerNormalization (see fuse_layernorm)
     LayerNormalization(Add(x, skip [+ bias]))          ──▶ SkipLayerNormalization
     x*0.5*(1+Erf(x/sqrt2))  /  tanh form               ──▶ Gelu / FastGelu
     Gelu(Add(MatMul(x, W), b))                         ──▶ BiasGelu(MatMul(x, W), b)
     Reshape/Transpose(q,k,v) ─ MatMul ─ scale ─ (+mask) ─ Softmax ─ [IsNaN/Where] ─ MatMul ─ Transpose/Reshape
                                                        ──▶ MultiHeadAttention ──▶ Attention (packed QKV)
+    Attention(bias = f(attention_mask [B, S]))         ──▶ Attention(mask_index = Cast(attention_mask, int32))
+                                                           when f is proven the standard padding bias
+                                                           (see fuse_mask_index; the mask nodes become dead)
     LayerNormalization(Gather(word, ids) + Gather(type, tt) + Gather(pos, 0..S-1))
                                                        ──▶ EmbedLayerNormalization (see fuse_embed_layernorm)
     RMSNorm / SkipRMSNorm / RotaryEmbedding / GQA      ──▶ (Skip)SimplifiedLayerNormalization, RotaryEmbedding,
@@ -68,6 +72,8 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
     """(rule family, onnxscript RewriteRuleSet or callable) in the order they must run."""
     from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
     from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
+    from graphopt.rewrites.fuse_layernorm import layer_norm_rules, layer_norm_scale_rules
+    from graphopt.rewrites.fuse_mask_index import MaskIndexStep
     from onnxscript.rewriter.ort_fusions import (
         attention,
         bias_gelu,
@@ -98,6 +104,8 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         steps.append(("erf_gelu", erfgelu.rules))
     if opts.layer_norm:
         steps += [
+            ("layer_normalization", layer_norm_rules),
+            ("layer_normalization_no_bias", layer_norm_scale_rules),
             ("rms_normalization", rms_normalization.rms_normalization_ruleset),
             ("skip_layer_normalization", skip_normalization.skip_layer_normalization_ruleset),
             ("skip_rms_normalization", skip_normalization.skip_rms_normalization_ruleset),
@@ -120,6 +128,8 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
             ("mha_bias", mha_bias.mha_bias_rules),
             ("attention", attention.attention_rules),
         ]
+        if opts.mask_index:
+            steps.append(("mask_index", MaskIndexStep()))
     if opts.gelu != "off":
         steps.append(("gelu", gelu.gelu_rules))
         steps.append(("bias_gelu", bias_gelu.bias_gelu_rules))
@@ -160,6 +170,8 @@ def _apply(step: Any, model: ir.Model) -> int:
 
 def _why_not(step: Any, model: ir.Model, rule_name: str) -> str | None:
     """The best partial match of a rule family and why it failed, as one line (or None)."""
+    if hasattr(step, "why_not"):
+        return step.why_not(model)
     if callable(step):
         return None
     from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
@@ -196,6 +208,7 @@ class FusePass(GraphoptPass):
         gelu: str = "auto",
         embed_layer_norm: bool = True,
         rotary: bool = True,
+        mask_index: bool = True,
     ):
         super().__init__()
         if gelu not in ("auto", "off"):
@@ -207,6 +220,7 @@ class FusePass(GraphoptPass):
         self.gelu = gelu
         self.embed_layer_norm = embed_layer_norm
         self.rotary = rotary
+        self.mask_index = mask_index
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.optimizer import optimize
@@ -239,12 +253,41 @@ class FusePass(GraphoptPass):
                 self.context.notes.extend(_explain(model, misses))
             return ir.passes.PassResult(model, modified=False)
         optimize(model, inline=False)
+        folded = _fold_weight_concats(model)
+        if folded:
+            counts["fold_weight_concat"] = folded
         common_passes.RemoveUnusedNodesPass()(model)
         for k, v in counts.items():
             self.context.rule_counts[k] = v
         if self.context.explain:
             self.context.notes.extend(_explain(model, misses))
         return ir.passes.PassResult(model, modified=True)
+
+
+def _fold_weight_concats(model: ir.Model) -> int:
+    """``Concat`` of constant weights (the packed QKV of Attention) becomes one initializer.
+
+    onnxscript's folder leaves concats above its size limit; ORT would fold them at every session
+    start. Refuses (leaves the node) when an input is not a constant or is used elsewhere (folding
+    would store the weight twice).
+    """
+    import numpy as np
+
+    done = 0
+    for node in list(model.graph):
+        if node.op_type != "Concat" or node.domain != "" or not node.inputs:
+            continue
+        if any(v is None or v.const_value is None or len(v.uses()) != 1 for v in node.inputs):
+            continue
+        axis = node.attributes.get_int("axis", 0)
+        arr = np.concatenate([v.const_value.numpy() for v in node.inputs], axis=axis)
+        out = node.outputs[0]
+        value = ir.Value(name=f"{out.name}_folded", shape=ir.Shape(arr.shape), type=out.type,
+                         const_value=ir.tensor(arr, name=f"{out.name}_folded"))
+        model.graph.register_initializer(value)
+        out.replace_all_uses_with(value)
+        done += 1
+    return done
 
 
 def _op_counts(model: ir.Model) -> dict[str, int]:

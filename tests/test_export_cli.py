@@ -124,9 +124,8 @@ def test_parity_failure_leaves_no_file(capsys, tiny_bert, tmp_path):
 
 
 def test_parity_error_carries_numbers(tiny_bert, tmp_path):
-    from graphopt.exporters import export
-
     from graphopt.errors import ParityError
+    from graphopt.exporters import export
 
     with pytest.raises(ParityError) as ei:
         export(tiny_bert, tmp_path / "m.onnx", task="masked-lm", exporter="torchscript", atol=1e-12)

@@ -52,6 +52,7 @@ def tiny_onnx(tiny):
 @pytest.mark.parametrize(("family", "task"), CASES, ids=[f"{f}-{t}" for f, t in CASES])
 def test_tiny_family_exports_with_parity(tiny, tiny_onnx, family, task):
     import onnx
+
     from graphopt.exporters import check_parity
 
     path = tiny_onnx(family, task)
@@ -96,9 +97,8 @@ def test_fresh_export_result(tiny, tmp_path):
 
 def test_llama_with_past_torchscript_runs_a_decode_step(tiny, tmp_path):
     """TorchScript on request; the with-past graph takes a one-token step after a 5-token past."""
-    from graphopt.exporters import export
-
     from graphopt import runtime
+    from graphopt.exporters import export
 
     folder = tiny.build_folder("llama", "causal-lm-with-past")
     out = tmp_path / "llama.onnx"
@@ -137,6 +137,7 @@ def make_module():
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 def test_module_function_source(tmp_path, exporter):
     import onnx
+
     from graphopt.exporters import export
 
     out = tmp_path / "m.onnx"
@@ -170,9 +171,9 @@ def make_branchy_module():
 
 def test_dynamo_failure_falls_back_to_torchscript(tmp_path):
     import onnx
-    from graphopt.exporters import export
 
     from graphopt.errors import ExportError
+    from graphopt.exporters import export
 
     src = f"{__file__}:make_branchy_module"
     with pytest.raises(ExportError, match="the dynamo exporter failed"):
@@ -186,6 +187,7 @@ def test_dynamo_failure_falls_back_to_torchscript(tmp_path):
 
 def test_fp16_export_uses_looser_default_tolerance(tiny, tmp_path):
     import onnx
+
     from graphopt.exporters import export
 
     out = tmp_path / "fp16.onnx"
@@ -199,9 +201,8 @@ def test_fp16_export_uses_looser_default_tolerance(tiny, tmp_path):
 
 def test_torchscript_fp16_that_ort_rejects_is_an_export_error(tiny, tmp_path):
     """torch 2.13's TorchScript fp16 BERT mixes float/float16 in LayerNorm: a clear ExportError, no file."""
-    from graphopt.exporters import export
-
     from graphopt.errors import ExportError
+    from graphopt.exporters import export
 
     out = tmp_path / "m.onnx"
     try:

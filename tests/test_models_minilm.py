@@ -55,6 +55,7 @@ def minilm_mod():
 @needs_minilm
 def test_minilm_variants_match_pytorch(minilm_mod, exporter, attn):
     import onnx
+
     from graphopt.exporters import check_parity
 
     path = minilm_mod.build(exporter, attn)
