@@ -13,9 +13,12 @@ fi
 stamp=.venv/.graphopt-setup
 want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  # constraints.txt pins torch to the CPU wheel on this machine's disk (not a hard pin for users)
-  .venv/bin/python -m pip install -q -c constraints.txt -e '.[export,dev]'
+  echo "setting up .venv (log: .venv/setup.log)…" >&2
+  {
+    .venv/bin/python -m pip install -q --upgrade pip &&
+    # constraints.txt pins torch to the CPU wheel on this machine's disk (not a hard pin for users)
+    .venv/bin/python -m pip install -q -c constraints.txt -e '.[export,dev]'
+  } > .venv/setup.log 2>&1 || { cat .venv/setup.log >&2; echo "set-up failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
