@@ -13,7 +13,14 @@ layer_norm  (Skip)(Simplified)LayerNormalization contrib ops,       ONNX LayerNo
             not fed by an Add                                        absorb); ReduceMean of a square/Pow
                                                                     (decomposed LayerNorm or RMSNorm)
 gelu        Gelu, FastGelu, BiasGelu, QuickGelu (contrib or ONNX)   Erf, Tanh (the decomposed forms)
+rotary      com.microsoft RotaryEmbedding                           onnxscript's RotaryEmbedding placeholder
+                                                                    (domain ``ai.onnxruntime._fusion``, a
+                                                                    function ORT inlines: cos/sin cache
+                                                                    not recognised)
 =========== ======================================================= ==========================================
+
+Any other op left in onnxscript's placeholder domain ``ai.onnxruntime._fusion`` counts as unfused
+attention (``SDPA``) or rotary.
 
 ``fully_fused`` is true when nothing is left unfused in any kind (a model without attention counts as
 fully fused in that kind).
@@ -45,6 +52,7 @@ _NORM_OPS = {
     "SkipGroupNorm",
 }
 _GELU_OPS = {"Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
+_PLACEHOLDER = "ai.onnxruntime._fusion"
 _SCORE_OPS = {"Add", "Mul", "Div", "Where", "Cast", "Sub"}
 
 
@@ -87,7 +95,7 @@ def fusion_status(model: ir.Model) -> dict:
     Returns ``{"attention": {"fused", "unfused", "unfused_nodes"}, "layer_norm": {...},
     "gelu": {...}, "ops": {contrib op: count}, "fully_fused": bool}``.
     """
-    kinds = {k: {"fused": 0, "unfused": 0, "unfused_nodes": []} for k in ("attention", "layer_norm", "gelu")}
+    kinds = {k: {"fused": 0, "unfused": 0, "unfused_nodes": []} for k in ("attention", "layer_norm", "gelu", "rotary")}
     ops: dict[str, int] = {}
 
     def unfused(kind: str, node: ir.Node) -> None:
@@ -97,7 +105,12 @@ def fusion_status(model: ir.Model) -> dict:
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         op = node.op_type
         contrib = node.domain in ("com.microsoft", "")
-        if op in _ATTENTION_OPS and node.domain == "com.microsoft":
+        if node.domain == _PLACEHOLDER:
+            unfused("rotary" if op == "RotaryEmbedding" else "attention", node)
+            continue
+        if op == "RotaryEmbedding" and node.domain == "com.microsoft":
+            kinds["rotary"]["fused"] += 1
+        elif op in _ATTENTION_OPS and node.domain == "com.microsoft":
             kinds["attention"]["fused"] += 1
         elif op == "Attention" and node.domain == "":  # ONNX opset 23 Attention
             kinds["attention"]["fused"] += 1

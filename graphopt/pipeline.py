@@ -77,6 +77,7 @@ def optimize(
     provider: str = "cpu",
     verify_level: str = "numeric",
     keep_going: bool = False,
+    require_budget: bool = False,
     debug_dir: str | os.PathLike | None = None,
     explain: bool = False,
     on_step: Callable[[str, int, int], None] | None = None,
@@ -85,6 +86,9 @@ def optimize(
 
     Returns the last good model and the report; never raises for a pass that fails verification
     (the report says, and ``Result.ok`` is False). Raises GraphoptError for bad usage or input.
+    A lossy pass is verified against ``budget``, or its own ``default_budget`` when none is given;
+    with ``require_budget`` a lossy pass that could not meet the budget (and so kept the model as
+    it was) also fails the run.
     """
     t_start = time.perf_counter()
     check_level(verify_level)
@@ -115,6 +119,7 @@ def optimize(
     else:
         all_feeds = feeds_mod.generate(model) if verify_level == "numeric" else []
     calib_feeds, check_feeds = _split_feeds(list(all_feeds))
+    held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
     report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
 
     reference = None
@@ -137,11 +142,12 @@ def optimize(
         rec = PassRecord(name=p.name, options=p.options_in_use(), exact=p.exact)
         rec.nodes_before = count_nodes(good)
         ops_before = op_histogram(good)
+        step_budget = budget if (budget or p.exact) else parse_budget(p.default_budget)
         p.context = registry.PassContext(
             provider=provider,
             feeds=check_feeds,
             calib_feeds=calib_feeds,
-            budget=budget,
+            budget=step_budget,
             explain=explain,
         )
         work = good.clone()
@@ -169,8 +175,12 @@ def optimize(
                 verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=prev_out,
                                  atol=p.atol, rtol=p.rtol, provider="cpu", where=f"after pass {p.name!r}")
             else:
-                verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=reference,
-                                 budget=budget, provider="cpu", where=f"after pass {p.name!r}")
+                # the budget is confirmed on the feeds held back from calibration
+                verdict = verify(candidate, level=verify_level, feeds=check_feeds,
+                                 reference=None if reference is None else reference[held_from:],
+                                 budget=step_budget, provider="cpu", where=f"after pass {p.name!r}")
+                if verdict.ok and verdict.outputs is not None and held_from:
+                    verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
             rec.verification = {"level": verify_level, "seconds": round(time.perf_counter() - tv, 3),
                                 **verdict.numbers()}
             if verdict.ok:
@@ -185,6 +195,13 @@ def optimize(
                     _dump_pair(Path(debug_dir), i, p.name, good, candidate)
         elif candidate is not None:
             rec.verification = {"level": "skipped (unchanged)"}
+        if candidate is not None and not p.exact and p.context.budget_met is False:
+            rec.notes.append(f"budget {step_budget} not met; the model is kept as it was before {p.name!r}")
+            if require_budget:
+                rec.status = "budget-not-met"
+                rec.error = f"budget {step_budget} not met"
+        if not p.exact:
+            rec.verification["budget"] = str(step_budget)
         elif debug_dir is not None:
             _dump_pair(Path(debug_dir), i, p.name, good, None)
         rec.nodes_after = count_nodes(good) if rec.status == "ok" else rec.nodes_before

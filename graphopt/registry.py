@@ -53,6 +53,8 @@ class PassContext:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: rule name -> number of rewrites, filled by rule-based passes for the report
     rule_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: a lossy pass sets False when no model it could make met the budget (it then keeps the input)
+    budget_met: bool | None = None
 
 
 class GraphoptPass(ir.passes.InPlacePass):
@@ -66,6 +68,8 @@ class GraphoptPass(ir.passes.InPlacePass):
     run_after: ClassVar[tuple[str, ...]] = ()
     #: for test-only passes: never listed by ``graphopt passes`` nor used in the default recipe
     hidden: ClassVar[bool] = False
+    #: lossy passes: the budget verified when the user gives none (e.g. "cosine>=0.99,cosine_min>=0.97")
+    default_budget: ClassVar[str] = ""
 
     def __init__(self) -> None:
         super().__init__()

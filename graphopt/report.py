@@ -49,7 +49,7 @@ class PassRecord:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     exact: bool = True
     modified: bool = False
-    status: str = "ok"  # ok | rolled-back | skipped | error
+    status: str = "ok"  # ok | rolled-back | error | budget-not-met
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
@@ -81,7 +81,7 @@ class Report:
     ok: bool = True
 
     def failed(self) -> list[PassRecord]:
-        return [p for p in self.passes if p.status in ("rolled-back", "error")]
+        return [p for p in self.passes if p.status in ("rolled-back", "error", "budget-not-met")]
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -111,7 +111,7 @@ class Report:
             delta = ", ".join(f"{k} {v:+d}" for k, v in sorted(p.op_delta.items(), key=lambda kv: kv[1])[:6])
             if len(p.op_delta) > 6:
                 delta += f", … ({len(p.op_delta)} ops)"
-            style = {"ok": "green", "rolled-back": "red", "error": "red", "skipped": "yellow"}.get(p.status, "")
+            style = {"ok": "green", "rolled-back": "red", "error": "red", "budget-not-met": "red"}.get(p.status, "")
             t.add_row(
                 p.name,
                 f"[{style}]{p.status}[/]",

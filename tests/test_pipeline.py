@@ -220,3 +220,63 @@ def test_external_data_roundtrip(tmp_path, mlp_path, monkeypatch):
 
     with pytest.raises(ModelLoadError, match="external data file"):
         io.load(out2)
+
+
+class NudgeWeights(GraphoptPass):
+    """Test-only lossy pass: scales every float weight by (1 + eps); gives up above ``give_up``."""
+
+    name = "test-nudge"
+    hidden = True
+    exact = False
+    default_budget = "cosine>=0.999"
+
+    def __init__(self, *, eps: float = 1e-3, give_up: float = 1.0):
+        super().__init__()
+        self.eps = eps
+        self.give_up = give_up
+
+    def call(self, model):
+        if self.eps > self.give_up:
+            self.context.budget_met = False
+            return ir.passes.PassResult(model, False)
+        rng = np.random.default_rng(0)
+        for v in model.graph.initializers.values():
+            t = v.const_value
+            if t is not None and t.dtype == ir.DataType.FLOAT and t.size > 1:
+                noise = 1 + self.eps * rng.standard_normal(t.shape.numpy())
+                v.const_value = ir.tensor((t.numpy() * noise).astype(np.float32), name=v.name)
+        return ir.passes.PassResult(model, True)
+
+
+register(NudgeWeights)
+
+
+def test_lossy_pass_verified_against_budget(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="test-nudge", budget="cosine>=0.99")
+    rec = res.report.passes[0]
+    assert res.ok and rec.status == "ok" and rec.verification["budget"] == "cosine>=0.99"
+    assert 0 < rec.verification["max_abs"] and rec.verification["cosine"] >= 0.99
+    res = pipeline.optimize(mlp_path, passes="test-nudge", overrides=["test-nudge.eps=0.5"], budget="cosine>=0.99")
+    assert not res.ok and res.report.passes[0].status == "rolled-back"
+    assert "cosine>=0.99 not met" in res.report.passes[0].error
+
+
+def test_lossy_pass_default_budget(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="test-nudge")
+    assert res.ok and res.report.passes[0].verification["budget"] == "cosine>=0.999"
+    res = pipeline.optimize(mlp_path, passes="test-nudge", overrides=["test-nudge.eps=0.2"])
+    assert not res.ok  # the pass's own default budget still applies
+
+
+def test_require_budget(run_cli, mlp_path, tmp_path):
+    out = tmp_path / "o.onnx"
+    code, _, _ = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-nudge",
+                         "--set", "test-nudge.eps=0.5", "--set", "test-nudge.give_up=0.1", "-q",
+                         "--report", tmp_path / "r.json")
+    assert code == 0 and out.exists()  # the pass kept the model and said so
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert "not met" in rep["passes"][0]["notes"][0]
+    out.unlink()
+    code, _, err = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-nudge", "--require-budget",
+                           "--set", "test-nudge.eps=0.5", "--set", "test-nudge.give_up=0.1", "-q")
+    assert code == 3 and not out.exists() and "budget" in err

@@ -1,0 +1,379 @@
+"""Quantization targets and their integer replacements (used by the ``quantize`` pass).
+
+A *target* is a node whose float weight can be stored in 8 (or 4) bits:
+
+- ``MatMul(x, W)`` with a constant 2-D ``W`` (optionally followed by ``Add(·, b)`` with a constant
+  ``b`` of length N, folded in as the bias);
+- ``com.microsoft::Attention(x, W_qkv, b_qkv, mask)`` (the fused form; becomes ``QAttention``);
+- ``Gather(table, ids)`` with a constant 2-D float table (embeddings; only when asked).
+
+Replacements, per target and per format::
+
+    dynamic (qop):  x ──DynamicQuantizeMatMul(Wq, w_scale[N], bias)──▶ y
+                    x ──DynamicQuantizeLinear──▶ QAttention(Wq, b, x_scale, w_scale[3H], mask, x_zp)
+    static  (qop):  x ──QuantizeLinear(s, zp)──▶ MatMulIntegerToFloat(Wq, s, w_scale[N], zp, bias) ──▶ y
+                    x ──QuantizeLinear(s, zp)──▶ QAttention(...)
+    static  (qdq):  x ──Q──DQ──▶ MatMul ◀──DQ(Wq, w_scale, axis=1)   (+ Add bias kept)
+    int4:           x ──MatMulNBits(bits=4, block_size, accuracy_level)──▶ y
+    embeddings:     Gather(table_q int8, ids) ──DequantizeLinear(scale[H], axis=-1)──▶
+
+Weights are per-channel (per output column) symmetric int8. One ``QuantizeLinear`` is shared by all
+consumers of the same activation. Refuses (keeps the node float): non-constant or non-2-D weights,
+Attention with past/extra inputs or ``qkv_hidden_sizes``, QDQ below opset 13.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
+
+MS = "com.microsoft"
+
+
+@dataclasses.dataclass
+class Target:
+    """One quantizable node, identified by ``key`` (stable across clones of a model)."""
+
+    key: str
+    kind: str  # "matmul" | "attention" | "gather" | "embed_table"
+    node: ir.Node
+    act: ir.Value | None  # float activation input (None for gather)
+    weight: ir.Value
+    bias_add: ir.Node | None = None  # Add folded into the integer op
+
+    @property
+    def weight_array(self) -> np.ndarray:
+        return self.weight.const_value.numpy()
+
+    @property
+    def macs_per_row(self) -> int:
+        w = self.weight.shape
+        if self.kind in ("gather", "embed_table"):
+            return 0
+        return int(w[0]) * int(w[1]) if w is not None and len(w) == 2 else 0
+
+
+@dataclasses.dataclass
+class QConfig:
+    """How to quantize one target."""
+
+    mode: str  # "dynamic" | "static" | "int4" | "gather"
+    act_range: tuple[float, float] | None = None  # static: calibrated (min, max)
+    act_type: str = "u8"  # "u8" | "s8"
+    fmt: str = "qop"  # "qop" | "qdq"
+    smooth: np.ndarray | None = None  # SmoothQuant: W rows *= smooth (x /= smooth is done upstream)
+    act_div: np.ndarray | None = None  # static: x /= act_div inside a per-channel QuantizeLinear
+    block_size: int = 32
+    accuracy_level: int = 4
+    int4_q: tuple[np.ndarray, np.ndarray] | None = None  # GPTQ result: (q uint8 [K,N] in 0..15, scales [nb,N])
+
+
+def _const(v: ir.Value | None) -> np.ndarray | None:
+    if v is None or v.const_value is None:
+        return None
+    try:
+        return v.const_value.numpy()
+    except Exception:  # noqa: BLE001 - unreadable external data etc.
+        return None
+
+
+def _is_float(v: ir.Value | None) -> bool:
+    return v is not None and v.dtype in (ir.DataType.FLOAT, None)
+
+
+def _key(node: ir.Node) -> str:
+    return node.name or f"{node.op_type}:{node.outputs[0].name}"
+
+
+def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
+    """Quantizable nodes of the main graph, in graph order."""
+    out: list[Target] = []
+    for node in model.graph:
+        if node.op_type == "MatMul" and node.domain == "":
+            x, w = node.inputs[0], node.inputs[1]
+            warr = _const(w)
+            if warr is None or warr.ndim != 2 or warr.dtype != np.float32 or _const(x) is not None:
+                continue
+            if not _is_float(x) or x is None:
+                continue
+            bias_add = None
+            y = node.outputs[0]
+            uses = list(y.uses())
+            if len(uses) == 1 and not y.is_graph_output():
+                user = uses[0][0]
+                if user.op_type == "Add" and user.domain == "" and len(user.inputs) == 2:
+                    other = user.inputs[1 - uses[0][1]]
+                    b = _const(other)
+                    if b is not None and b.dtype == np.float32 and b.shape == (warr.shape[1],):
+                        bias_add = user
+            out.append(Target(_key(node), "matmul", node, x, w, bias_add))
+        elif node.op_type == "Attention" and node.domain == MS:
+            w = node.inputs[1] if len(node.inputs) > 1 else None
+            warr = _const(w)
+            if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
+                continue
+            if any(v is not None for v in node.inputs[4:]) or "qkv_hidden_sizes" in node.attributes:
+                continue
+            if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+                continue
+            out.append(Target(_key(node), "attention", node, node.inputs[0], w))
+        elif embeddings and node.op_type == "Gather" and node.domain == "":
+            warr = _const(node.inputs[0])
+            if warr is None or warr.ndim != 2 or warr.dtype != np.float32 or warr.shape[0] < 2:
+                continue
+            if node.attributes.get_int("axis", 0) != 0:
+                continue
+            out.append(Target(_key(node), "gather", node, None, node.inputs[0]))
+        elif embeddings and node.op_type == "EmbedLayerNormalization" and node.domain == MS:
+            warr = _const(node.inputs[2]) if len(node.inputs) > 2 else None
+            if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
+                continue
+            out.append(Target(_key(node), "embed_table", node, None, node.inputs[2]))
+    return out
+
+
+# ------------------------------------------------------------------ numeric helpers
+
+
+def quantize_weight(w: np.ndarray, axis: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel symmetric int8 along ``axis`` (the output columns of a [K, N] weight)."""
+    red = tuple(i for i in range(w.ndim) if i != axis)
+    amax = np.max(np.abs(w), axis=red)
+    scale = np.maximum(amax / 127.0, 1e-12).astype(np.float32)
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    q = np.clip(np.rint(w / scale.reshape(shape)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def act_qparams(lo: float, hi: float, act_type: str) -> tuple[np.float32, np.ndarray]:
+    """(scale, zero point) for an activation range; u8 asymmetric or s8 symmetric."""
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    if act_type == "s8":
+        scale = max(max(-lo, hi) / 127.0, 1e-8)
+        return np.float32(scale), np.array(0, dtype=np.int8)
+    scale = max((hi - lo) / 255.0, 1e-8)
+    zp = int(np.clip(np.rint(-lo / scale), 0, 255))
+    return np.float32(scale), np.array(zp, dtype=np.uint8)
+
+
+def fake_quant_act(x: np.ndarray, lo: float | None, hi: float | None, act_type: str = "u8") -> np.ndarray:
+    """Quantize-dequantize an activation (dynamic range when ``lo``/``hi`` are None)."""
+    if lo is None or hi is None:
+        lo, hi = float(x.min()), float(x.max())
+    s, zp = act_qparams(lo, hi, act_type)
+    z = float(zp)
+    qmin, qmax = (-127, 127) if act_type == "s8" else (0, 255)
+    return ((np.clip(np.rint(x / s) + z, qmin, qmax) - z) * s).astype(np.float32)
+
+
+# ------------------------------------------------------------------ rewriting
+
+
+class _Builder:
+    """Creates uniquely named initializers and nodes in a graph."""
+
+    def __init__(self, model: ir.Model):
+        self.model = model
+        self.graph = model.graph
+        self.names = {v.name for v in self.graph.initializers.values()}
+        for n in self.graph:
+            self.names.update(o.name for o in n.outputs if o.name)
+        self.names.update(v.name for v in self.graph.inputs)
+        self.shared_q: dict[tuple, ir.Value] = {}
+
+    def unique(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.names:
+            name, i = f"{base}_{i}", i + 1
+        self.names.add(name)
+        return name
+
+    def init(self, base: str, arr: np.ndarray) -> ir.Value:
+        name = self.unique(base)
+        t = ir.tensor(np.ascontiguousarray(arr), name=name)
+        v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(t.dtype), const_value=t)
+        self.graph.register_initializer(v)
+        return v
+
+    def node(self, before: ir.Node, op: str, inputs, attrs=None, *, domain: str = "", name: str = "",
+             outputs: int = 1) -> ir.Node:
+        n = ir.node(op, list(inputs), attrs or {}, domain=domain, num_outputs=outputs,
+                    name=self.unique(name or op))
+        for i, o in enumerate(n.outputs):
+            o.name = self.unique(f"{n.name}_out{i}" if outputs > 1 else f"{n.name}_out")
+        self.graph.insert_before(before, n)
+        return n
+
+
+def _replace_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    """Point every use (and a graph output) of ``old`` at ``new``; ``new`` takes the name when it is an output."""
+    new.shape, new.type = old.shape, old.type
+    if old.is_graph_output():
+        name = old.name
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        old.name = f"{name}__replaced"
+        new.name = name
+    else:
+        old.replace_all_uses_with(new)
+
+
+def _first_of(graph: ir.Graph, nodes: list[ir.Node]) -> ir.Node:
+    """The earliest of ``nodes`` in graph order (new nodes go before it)."""
+    order = {id(n): i for i, n in enumerate(graph)}
+    return min(nodes, key=lambda n: order[id(n)])
+
+
+def _quantize_activation(b: _Builder, t: Target, cfg: QConfig, anchor: ir.Node) -> tuple[ir.Value, ...]:
+    """The quantized activation (xq, scale, zero point) for ``t``, shared between consumers."""
+    x = t.node.inputs[0]  # current input (an upstream rewrite may have replaced t.act)
+    if cfg.mode == "dynamic":
+        key = ("dyn", id(x))
+        if key not in b.shared_q:
+            n = b.node(anchor, "DynamicQuantizeLinear", [x], name=f"{x.name}_dynq", outputs=3)
+            b.shared_q[key] = n
+        n = b.shared_q[key]
+        return tuple(n.outputs)
+    lo, hi = cfg.act_range
+    s, zp = act_qparams(lo, hi, cfg.act_type)
+    div = None if cfg.act_div is None else cfg.act_div.astype(np.float32)
+    key = ("st", id(x), float(s), int(zp), cfg.act_type, None if div is None else div.tobytes())
+    if key not in b.shared_q:
+        sv = b.init(f"{x.name}_scale", np.array(s, dtype=np.float32))
+        zv = b.init(f"{x.name}_zp", zp)
+        if div is None:
+            n = b.node(anchor, "QuantizeLinear", [x, sv, zv], name=f"{x.name}_q")
+        else:  # quantizing x / div with scale s == per-channel scale s * div (SmoothQuant without a Mul)
+            sv_c = b.init(f"{x.name}_scale_c", (s * div).astype(np.float32))
+            zv_c = b.init(f"{x.name}_zp_c", np.full(div.shape, zp, dtype=zp.dtype))
+            n = b.node(anchor, "QuantizeLinear", [x, sv_c, zv_c], {"axis": -1}, name=f"{x.name}_q")
+        b.shared_q[key] = (n.outputs[0], sv, zv)
+    return b.shared_q[key]
+
+
+def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -> dict[str, int]:
+    """Rewrite every target in ``plan`` in place; returns op-type -> count of created integer ops."""
+    b = _Builder(model)
+    g = model.graph
+    counts: dict[str, int] = {}
+    used_ms = False
+
+    def bump(op: str) -> None:
+        counts[op] = counts.get(op, 0) + 1
+
+    for t in targets:
+        cfg = plan.get(t.key)
+        if cfg is None:
+            continue
+        node = t.node
+        w = t.weight_array
+        if cfg.smooth is not None and t.kind != "gather":
+            w = w * cfg.smooth.reshape(-1, 1).astype(np.float32)
+        pre = t.key.replace("/", "_")
+        if t.kind == "embed_table":  # fused EmbedLayerNormalization: int8 word table, dequantized at run time
+            q, s = quantize_weight(w, axis=1)
+            qv = b.init(f"{pre}_table_q", q)
+            sv = b.init(f"{pre}_table_scale", s)
+            dq = b.node(node, "DequantizeLinear", [qv, sv], {"axis": 1}, name=f"{pre}_table_dq")
+            node.replace_input_with(2, dq.outputs[0])
+            bump("EmbedLayerNormalization(int8 table)")
+            continue
+        if t.kind == "gather":
+            q, s = quantize_weight(w, axis=1)
+            qv = b.init(f"{pre}_table_q", q)
+            sv = b.init(f"{pre}_table_scale", s)
+            gnode = b.node(node, "Gather", [qv, node.inputs[1]], {"axis": 0}, name=f"{pre}_qgather")
+            dq = b.node(node, "DequantizeLinear", [gnode.outputs[0], sv], {"axis": -1}, name=f"{pre}_dq")
+            _replace_output(g, node.outputs[0], dq.outputs[0])
+            g.remove(node, safe=True)
+            bump("Gather(int8)")
+            continue
+        bias = None
+        if t.bias_add is not None:
+            bias_in = [v for v in t.bias_add.inputs if v is not node.outputs[0]][0]
+            bias = _const(bias_in)
+        out_node = t.bias_add if t.bias_add is not None else node
+        if cfg.mode == "int4":
+            new = _int4_node(b, t, cfg, w, bias, pre)
+            _replace_output(g, out_node.outputs[0], new.outputs[0])
+            g.remove([n for n in (t.bias_add, node) if n is not None], safe=True)
+            used_ms = True
+            bump("MatMulNBits")
+            continue
+        q, ws = quantize_weight(w, axis=1)
+        if t.kind == "attention":
+            a = node.attributes
+            attrs = {k: a[k].value for k in ("num_heads", "unidirectional", "do_rotary", "mask_filter_value")
+                     if k in a}
+            xq, xs, xz = _quantize_activation(b, t, cfg, node)
+            qv = b.init(f"{pre}_w_q", q)
+            sv = b.init(f"{pre}_w_scale", ws)
+            zv = b.init(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8))
+            inputs = [xq, qv, node.inputs[2], xs, sv, node.inputs[3] if len(node.inputs) > 3 else None, xz, zv]
+            new = b.node(node, "QAttention", inputs, attrs, domain=MS, name=f"{pre}_qattn")
+            _replace_output(g, node.outputs[0], new.outputs[0])
+            g.remove(node, safe=True)
+            used_ms = True
+            bump("QAttention")
+            continue
+        # matmul
+        if cfg.mode == "dynamic":
+            qv = b.init(f"{pre}_w_q", q)
+            sv = b.init(f"{pre}_w_scale", ws)
+            bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
+            new = b.node(node, "DynamicQuantizeMatMul", [node.inputs[0], qv, sv, None, bv], domain=MS,
+                         name=f"{pre}_dqmm")
+            used_ms = True
+            bump("DynamicQuantizeMatMul")
+        elif cfg.fmt == "qdq":
+            xq, xs, xz = _quantize_activation(b, t, cfg, node)
+            dqx = b.node(node, "DequantizeLinear", [xq, xs, xz], name=f"{pre}_dqx")
+            qv = b.init(f"{pre}_w_q", q)
+            sv = b.init(f"{pre}_w_scale", ws)
+            dqw = b.node(node, "DequantizeLinear", [qv, sv], {"axis": 1}, name=f"{pre}_dqw")
+            mm = b.node(node, "MatMul", [dqx.outputs[0], dqw.outputs[0]], name=f"{pre}_mm")
+            new = mm
+            if bias is not None:
+                bv = b.init(f"{pre}_bias", bias.astype(np.float32))
+                new = b.node(node, "Add", [mm.outputs[0], bv], name=f"{pre}_add")
+            bump("QDQ MatMul")
+        else:
+            xq, xs, xz = _quantize_activation(b, t, cfg, node)
+            qv = b.init(f"{pre}_w_q", q)
+            sv = b.init(f"{pre}_w_scale", ws)
+            bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
+            new = b.node(node, "MatMulIntegerToFloat", [xq, qv, xs, sv, xz, None, bv], domain=MS,
+                         name=f"{pre}_mmi2f")
+            used_ms = True
+            bump("MatMulIntegerToFloat")
+        _replace_output(g, out_node.outputs[0], new.outputs[0])
+        g.remove([n for n in (t.bias_add, node) if n is not None], safe=True)
+    if used_ms and MS not in model.opset_imports:
+        model.opset_imports[MS] = 1
+    # drop float weights nobody reads any more
+    for name, v in list(g.initializers.items()):
+        if not v.uses() and not v.is_graph_output() and not v.is_graph_input():
+            del g.initializers[name]
+    return counts
+
+
+def _int4_node(b: _Builder, t: Target, cfg: QConfig, w: np.ndarray, bias: np.ndarray | None, pre: str) -> ir.Node:
+    from graphopt.rewrites._quant_int4 import pack_int4, rtn_int4
+
+    k, n = w.shape
+    q, scales = cfg.int4_q if cfg.int4_q is not None else rtn_int4(w, cfg.block_size)
+    packed = pack_int4(q, cfg.block_size)
+    qv = b.init(f"{pre}_w_q4", packed)
+    sv = b.init(f"{pre}_w_scale4", np.ascontiguousarray(scales.T).reshape(-1).astype(np.float32))
+    inputs = [t.node.inputs[0], qv, sv, None, None]
+    if bias is not None:
+        inputs.append(b.init(f"{pre}_bias", bias.astype(np.float32)))
+    attrs = {"K": int(k), "N": int(n), "bits": 4, "block_size": int(cfg.block_size),
+             "accuracy_level": int(cfg.accuracy_level)}
+    return b.node(t.node, "MatMulNBits", inputs, attrs, domain=MS, name=f"{pre}_mmnbits")

@@ -1,0 +1,148 @@
+"""SmoothQuant for the ``quantize`` pass: move activation outliers into the weights.
+
+For an activation ``x`` read by quantized MatMuls ``W_1..W_m``, per input channel j::
+
+    s_j = max|x_j|^alpha / max_i max|W_i[j, :]|^(1 - alpha)      x' = x / s      W_i' = diag(s) W_i
+
+so ``x' W_i' = x W_i`` exactly in float, with smaller activation outliers. ``x / s`` is folded where
+that is free, else a ``Mul`` is inserted once per activation:
+
+- producer ``LayerNormalization`` / ``SkipLayerNormalization`` whose output 0 is read only by
+  smoothed targets: gamma and beta are divided by s;
+- producer ``com.microsoft::Attention`` read only by smoothed targets: the V columns of its weight
+  and bias are divided by s (attention is linear in V per channel);
+- otherwise ``Mul(x, 1/s)``.
+
+``alpha='auto'`` picks, per activation, the alpha in 0.3..0.85 minimising the layers' quantization
+error on the sampled calibration rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt.rewrites._quant_calib import Stats
+from graphopt.rewrites._quant_qdq import MS, Target, fake_quant_act, quantize_weight
+
+logger = logging.getLogger(__name__)
+
+ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85)
+
+
+def smooth_factors(stats: Stats, weights: list[np.ndarray], alpha: float) -> np.ndarray:
+    amax = np.maximum(stats.chan_absmax.astype(np.float64), 1e-5)
+    wmax = np.maximum(np.max([np.abs(w).max(axis=1) for w in weights], axis=0).astype(np.float64), 1e-5)
+    s = amax**alpha / wmax ** (1.0 - alpha)
+    s = np.clip(s, 1e-3, 1e3)
+    return s.astype(np.float32)
+
+
+def local_error(x: np.ndarray, w: np.ndarray, s: np.ndarray | None, act: tuple[float, float] | None,
+                act_type: str = "u8") -> float:
+    """Relative output error of one int8 layer on sampled rows ``x`` (dynamic range when ``act`` is None)."""
+    ref = x @ w
+    if s is not None:
+        x, w = x / s, w * s.reshape(-1, 1)
+        if act is not None:
+            act = (float(x.min()), float(x.max()))
+    q, ws = quantize_weight(w)
+    xq = fake_quant_act(x, *(act or (None, None)), act_type)
+    got = xq @ (q.astype(np.float32) * ws)
+    return float(np.sum((got - ref) ** 2) / max(np.sum(ref**2), 1e-12))
+
+
+def choose(stats: Stats, group: list[Target], alpha: str | float, static: bool) -> tuple[np.ndarray, float]:
+    """Smoothing factors for the targets reading one activation: (s, alpha used)."""
+    weights = [t.weight_array for t in group]
+    if alpha != "auto":
+        a = float(alpha)
+        return smooth_factors(stats, weights, a), a
+    x = stats.rows
+    best = (np.inf, None, 0.5)
+    for a in ALPHAS:
+        s = smooth_factors(stats, weights, a)
+        act = (0.0, 0.0) if static else None
+        err = sum(local_error(x, w, s, act) for w in weights)
+        if err < best[0]:
+            best = (err, s, a)
+    return best[1], best[2]
+
+
+def _only_read_by(v: ir.Value, nodes: set[int]) -> bool:
+    return not v.is_graph_output() and all(id(u[0]) in nodes for u in v.uses())
+
+
+def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str, np.ndarray],
+                    no_mul: frozenset[str] = frozenset(), folded: set[str] | None = None) -> dict[str, int]:
+    """Divide each smoothed activation by its factors (fold or Mul); updates ``Target.act``.
+
+    ``factors`` maps activation value name -> s. Weight scaling happens in ``_quant_qdq.apply``
+    (QConfig.smooth). Activations in ``no_mul`` that cannot be folded are left alone (the caller
+    divides them inside a per-channel QuantizeLinear instead). Returns the counts; the names of
+    folded activations are added to ``folded`` when given.
+    """
+    g = model.graph
+    folded = set() if folded is None else folded
+    counts = {"smooth-fold-layernorm": 0, "smooth-fold-attention-v": 0, "smooth-mul": 0}
+    groups: dict[str, list[Target]] = {}
+    for t in targets:
+        if t.act is not None and t.act.name in factors:
+            groups.setdefault(t.act.name, []).append(t)
+    for name, group in groups.items():
+        s = factors[name].astype(np.float32)
+        x = group[0].act
+        readers = {id(t.node) for t in group}
+        prod = x.producer()
+        done = False
+        if prod is not None and _only_read_by(x, readers) and x.index() == 0:
+            if prod.op_type in ("LayerNormalization", "SkipLayerNormalization") and prod.domain in ("", MS):
+                gi, bi = (1, 2) if prod.op_type == "LayerNormalization" else (2, 3)
+                gamma = prod.inputs[gi].const_value.numpy() if prod.inputs[gi] is not None and \
+                    prod.inputs[gi].const_value is not None else None
+                beta_v = prod.inputs[bi] if len(prod.inputs) > bi else None
+                beta = beta_v.const_value.numpy() if beta_v is not None and beta_v.const_value is not None else None
+                if gamma is not None and gamma.shape == s.shape and (beta_v is None or beta is not None) and \
+                        len(prod.inputs[gi].uses()) == 1 and (beta_v is None or len(beta_v.uses()) == 1):
+                    prod.inputs[gi].const_value = ir.tensor(gamma / s, name=prod.inputs[gi].name)
+                    if beta is not None:
+                        beta_v.const_value = ir.tensor(beta / s, name=beta_v.name)
+                    done = True
+                    counts["smooth-fold-layernorm"] += 1
+            elif prod.op_type == "Attention" and prod.domain == MS:
+                w_v, b_v = prod.inputs[1], prod.inputs[2] if len(prod.inputs) > 2 else None
+                if w_v is not None and w_v.const_value is not None and len(w_v.uses()) == 1 and \
+                        b_v is not None and b_v.const_value is not None and len(b_v.uses()) == 1:
+                    w, b = w_v.const_value.numpy().copy(), b_v.const_value.numpy().copy()
+                    h = w.shape[1] // 3
+                    if h == s.shape[0]:
+                        w[:, 2 * h:] /= s
+                        b[2 * h:] /= s
+                        w_v.const_value = ir.tensor(w, name=w_v.name)
+                        b_v.const_value = ir.tensor(b, name=b_v.name)
+                        done = True
+                        counts["smooth-fold-attention-v"] += 1
+        if done:
+            folded.add(name)
+        elif name in no_mul:
+            counts["smooth-in-quantizelinear"] = counts.get("smooth-in-quantizelinear", 0) + 1
+        else:
+            inv_name = f"{name}_smooth_inv"
+            t = ir.tensor((1.0 / s).astype(np.float32), name=inv_name)
+            inv = ir.Value(name=inv_name, shape=ir.Shape(s.shape), type=ir.TensorType(t.dtype), const_value=t)
+            g.register_initializer(inv)
+            mul = ir.node("Mul", [x, inv], name=f"{name}_smooth")
+            mul.outputs[0].name = f"{name}_smoothed"
+            mul.outputs[0].type, mul.outputs[0].shape = x.type, x.shape
+            first = min((t.node for t in group), key=lambda n: list(g).index(n))
+            g.insert_before(first, mul)
+            for t in group:
+                for i, v in enumerate(t.node.inputs):
+                    if v is x:
+                        t.node.replace_input_with(i, mul.outputs[0])
+                t.act = mul.outputs[0]
+            counts["smooth-mul"] += 1
+    return {k: v for k, v in counts.items() if v}

@@ -1,0 +1,444 @@
+"""``quantize``: int8 / int4 quantization under an accuracy budget (lossy; never in the default recipe).
+
+Modes (``mode=``):
+
+- ``dynamic``: per-channel symmetric int8 weights, activations quantized at run time
+  (``DynamicQuantizeMatMul``; fused ``Attention`` -> ``DynamicQuantizeLinear`` + ``QAttention``);
+- ``static``: activation ranges calibrated on ``context.calib_feeds`` (``calibrator=minmax|percentile|
+  entropy|auto``; auto picks per tensor by local error), u8 activations / s8 weights on CPU, s8/s8 for
+  CUDA (``act_type``); ``format=qop`` emits ``QuantizeLinear`` + ``MatMulIntegerToFloat`` /
+  ``QAttention`` directly, ``format=qdq`` emits standard Q/DQ pairs for ORT's QDQ fusions (default: qop
+  on CPU, qdq on CUDA);
+- ``int4``: weight-only ``MatMulNBits`` (``block_size``, ``accuracy_level``; ``int4_method=rtn|gptq``);
+- ``auto`` (default): tries static then dynamic and keeps the one that meets the budget with the
+  fewest float layers (static wins ties: no run-time range reduction).
+
+``smoothquant=true`` migrates activation outliers into the weights (``alpha`` a number or ``auto``).
+``embeddings=true`` also stores embedding tables (constant Gather tables, the word table of a fused
+``EmbedLayerNormalization``) as int8 (default: only in int4 mode, where size is the point). In int4
+mode fused Attention weights go to int8 ``QAttention`` (no 4-bit attention kernel).
+
+Budget: ``context.budget``, or cosine>=0.99 & cosine_min>=0.97 when the user gave none. With
+``mixed=true`` each layer's sensitivity (the budget metric with only that layer quantized) is
+measured, and the most sensitive layers are kept float until the budget holds on the calibration
+feeds; the result is then confirmed on the held-back feeds (more layers kept float if it fails there).
+Both numbers go to the notes. When no quantized model meets the budget the model is left unchanged
+(``modified=False``) and the notes say so.
+
+Refuses (keeps float): see ``_quant_qdq``; graphs without constant-weight MatMul/Attention are left
+unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt import runtime
+from graphopt.errors import UsageError
+from graphopt.metrics import Budget, Comparison, compare, parse_budget
+from graphopt.registry import GraphoptPass, register
+from graphopt.rewrites import _quant_calib as calib_mod
+from graphopt.rewrites import _quant_qdq as qdq
+from graphopt.rewrites import _quant_smooth as smooth_mod
+from graphopt.rewrites._quant_qdq import QConfig, Target
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUDGET = "cosine>=0.99,cosine_min>=0.97"
+MODES = ("auto", "dynamic", "static", "int4")
+CALIBRATORS = ("auto", "minmax", "percentile", "entropy")
+INTEGER_OPS = ("QLinear", "MatMulInteger", "DynamicQuantize", "QAttention", "MatMulNBits", "QEmbed",
+               "QGemm", "QuantizeLinear")
+
+
+@dataclasses.dataclass
+class _Outcome:
+    mode: str
+    plan: dict[str, QConfig]
+    factors: dict[str, np.ndarray]
+    floats: list[str]
+    calib: Comparison | None = None
+    held: Comparison | None = None
+    ok: bool = False
+    float_macs: float = 0.0
+
+
+class QuantizePass(GraphoptPass):
+    """Quantize MatMul/Attention weights (and activations) to int8 or int4 under an accuracy budget."""
+
+    name = "quantize"
+    default_budget = DEFAULT_BUDGET
+    exact = False
+    emits = ("com.microsoft::DynamicQuantizeMatMul", "com.microsoft::MatMulIntegerToFloat",
+             "com.microsoft::QAttention", "com.microsoft::MatMulNBits")
+
+    def __init__(
+        self,
+        *,
+        mode: str = "auto",
+        calibrator: str = "auto",
+        percentile: float = 99.99,
+        format: str = "auto",  # noqa: A002 - the option's user-facing name
+        act_type: str = "auto",
+        smoothquant: str = "auto",
+        alpha: str = "auto",
+        mixed: bool = True,
+        keep_float: str = "",
+        embeddings: str = "auto",
+        block_size: int = 32,
+        accuracy_level: int = 4,
+        int4_method: str = "rtn",
+        sensitivity_feeds: int = 2,
+    ):
+        super().__init__()
+        if mode not in MODES:
+            raise UsageError(f"quantize.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if calibrator not in CALIBRATORS:
+            raise UsageError(f"quantize.calibrator must be one of {', '.join(CALIBRATORS)}, got {calibrator!r}")
+        if format not in ("auto", "qop", "qdq"):
+            raise UsageError(f"quantize.format must be auto, qop or qdq, got {format!r}")
+        if act_type not in ("auto", "u8", "s8"):
+            raise UsageError(f"quantize.act_type must be auto, u8 or s8, got {act_type!r}")
+        if int4_method not in ("rtn", "gptq"):
+            raise UsageError(f"quantize.int4_method must be rtn or gptq, got {int4_method!r}")
+        if str(alpha) != "auto":
+            try:
+                float(alpha)
+            except ValueError:
+                raise UsageError(f"quantize.alpha must be a number or 'auto', got {alpha!r}") from None
+        if block_size < 16 or block_size & (block_size - 1):
+            raise UsageError(f"quantize.block_size must be a power of two >= 16, got {block_size}")
+        self.mode, self.calibrator, self.percentile = mode, calibrator, float(percentile)
+        self.format, self.act_type = format, act_type
+        sq = str(smoothquant).strip().lower()
+        if sq not in ("auto", "true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise UsageError(f"quantize.smoothquant must be auto, true or false, got {smoothquant!r}")
+        self.smoothquant = "auto" if sq == "auto" else ("true" if sq in ("true", "1", "yes", "on") else "false")
+        self.alpha = str(alpha)
+        emb = str(embeddings).strip().lower()
+        self.mixed, self.keep_float = bool(mixed), keep_float
+        #: auto: int8 embedding tables in int4 mode (size), float otherwise (speed: no run-time dequantize)
+        self.embeddings = mode == "int4" if emb == "auto" else emb in ("true", "1", "yes", "on")
+        self.block_size, self.accuracy_level, self.int4_method = block_size, accuracy_level, int4_method
+        self.sensitivity_feeds = sensitivity_feeds
+        #: x / s inside a per-channel QuantizeLinear instead of a Mul: exact, but ORT 1.32's per-axis
+        #: QuantizeLinear on CPU measured ~10x slower than Mul + per-tensor QuantizeLinear (MiniLM)
+        self.smooth_in_quantizelinear = False
+
+    # ------------------------------------------------------------ helpers
+
+    def _note(self, msg: str) -> None:
+        logger.info("quantize: %s", msg)
+        self.context.notes.append(msg)
+
+    def _budget(self) -> Budget:
+        b = self.context.budget
+        if b:
+            return b
+        self._note(f"no budget given: using the default {DEFAULT_BUDGET}")
+        return parse_budget(DEFAULT_BUDGET)
+
+    def _build(self, model: ir.Model, plan: Mapping[str, QConfig], factors: Mapping[str, np.ndarray]
+               ) -> tuple[ir.Model, dict[str, int]]:
+        """Apply ``plan`` (and SmoothQuant ``factors``) to ``model`` in place."""
+        plan = {k: dataclasses.replace(v) for k, v in plan.items()}
+        targets = qdq.find_targets(model, embeddings=self.embeddings)
+        counts: dict[str, int] = {}
+        if factors:
+            # static qop: an unfoldable x / s goes into a per-channel QuantizeLinear (no Mul), valid
+            # when every reader of x is such a target
+            readers: dict[str, list[Target]] = {}
+            for t in targets:
+                if t.act is not None:
+                    readers.setdefault(t.act.name, []).append(t)
+            no_mul = frozenset(
+                n for n, ts in readers.items()
+                if self.smooth_in_quantizelinear and n in factors
+                and all(t.key in plan and plan[t.key].mode == "static" and plan[t.key].fmt == "qop" for t in ts))
+            folded: set[str] = set()
+            counts.update(smooth_mod.apply_smoothing(model, targets, factors, no_mul, folded))
+            for t in targets:
+                name = t.act.name if t.act is not None else None
+                if name in no_mul and name not in folded:
+                    plan[t.key].act_div = factors[name]
+            # float-kept readers of a smoothed (folded or Mul) activation get their weights scaled (exact)
+            for t in targets:
+                name = t.act.name if t.act is not None else None
+                if name in factors and t.key not in plan and name not in no_mul:
+                    s = factors[name]
+                    t.weight.const_value = ir.tensor(t.weight_array * s.reshape(-1, 1), name=t.weight.name)
+        counts.update(qdq.apply(model, targets, plan))
+        return model, counts
+
+    def _evaluate(self, model: ir.Model, plan, factors, feeds, ref) -> Comparison:
+        cand, _ = self._build(model.clone(), plan, factors)
+        sess = runtime.make_session(cand, threads=1)
+        return compare(runtime.run(sess, feeds), ref, feeds)
+
+    # ------------------------------------------------------------ the pass
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        budget = self._budget()
+        calib = list(self.context.calib_feeds) or list(self.context.feeds)
+        held = list(self.context.feeds) or calib
+        if not calib:
+            from graphopt import feeds as feeds_mod
+
+            calib = held = feeds_mod.generate(model)
+            self._note("no feeds given: calibrating on generated feeds (give --calib for real data)")
+        targets = qdq.find_targets(model, embeddings=self.embeddings)
+        if not any(t.kind != "gather" for t in targets) and not targets:
+            self._note("nothing to quantize (no MatMul/Attention with constant weights)")
+            return ir.passes.PassResult(model, False)
+        keep = {k.strip() for k in self.keep_float.split(",") if k.strip()}
+        provider = self.context.provider
+        act_type = self.act_type if self.act_type != "auto" else ("s8" if provider == "cuda" else "u8")
+        fmt = self.format if self.format != "auto" else ("qdq" if provider == "cuda" else "qop")
+        if provider == "cuda" and self.mode in ("auto", "dynamic"):
+            self._note("CUDA: dynamic int8 ops have CPU kernels only; using static QDQ")
+        base_modes = {"auto": ["static", "dynamic"], "dynamic": ["dynamic"], "static": ["static"],
+                      "int4": ["int4"]}[self.mode]
+        if provider == "cuda" and self.mode == "auto":
+            base_modes = ["static"]
+        modes: list[tuple[str, bool]] = []
+        for m in base_modes:
+            if m == "int4" or self.smoothquant == "false":
+                modes.append((m, False))
+            elif self.smoothquant == "true":
+                modes.append((m, True))
+            elif m == "static":  # auto: static with SmoothQuant first (best measured), then plain
+                modes += [(m, True), (m, False)]
+            else:
+                modes.append((m, False))
+        any_sq = any(sq for _, sq in modes)
+
+        sess = runtime.make_session(model, threads=1)
+        ref_calib = runtime.run(sess, calib)
+        ref_held = runtime.run(sess, held)
+
+        act_names = [t.act.name for t in targets if t.act is not None]
+        static = any(m == "static" for m, _ in modes)
+        need_stats = static or any_sq or (self.mode == "int4" and self.int4_method == "gptq")
+        stats: dict[str, calib_mod.Stats] = {}
+        if need_stats:
+            stats = calib_mod.collect(
+                model, calib, act_names,
+                histograms=static and self.calibrator != "minmax",
+                xtx_for=act_names if self.mode == "int4" and self.int4_method == "gptq" else (),
+            )
+
+        outcomes = []
+        ranking: list[str] | None = None
+        for mode, sq in modes:
+            plan, factors, info = self._base_plan(mode, sq, targets, stats, act_type, fmt)
+            for k in keep:
+                plan.pop(k, None)
+            label = mode + ("+smoothquant" if sq else "")
+            self._note(f"{label}: {info}")
+            out, ranking = self._search(model, label, targets, plan, factors, budget, calib, held,
+                                        ref_calib, ref_held, ranking)
+            outcomes.append(out)
+            if out.ok and not out.floats:
+                break
+
+        good = [o for o in outcomes if o.ok]
+        for o in outcomes:
+            self._note(self._describe(o))
+        if not good:
+            self._note(f"budget {budget} cannot be met by any quantized model: model left unchanged (fp32)")
+            self.context.budget_met = False
+            return ir.passes.PassResult(model, False)
+        labels = [o.mode for o in outcomes]
+        best = min(good, key=lambda o: (o.float_macs, labels.index(o.mode)))
+        _, counts = self._build(model, best.plan, best.factors)
+        self.context.rule_counts.update({f"quantize-{k}": v for k, v in counts.items()})
+        self.context.rule_counts["quantize-kept-float"] = len(best.floats)
+        self._note(f"chose {best.mode}" + (f" (format {fmt}, {act_type} activations)" if best.mode.startswith("static") else ""))
+        self._note(self._integer_ops_note(model))
+        return ir.passes.PassResult(model, True)
+
+    def _base_plan(self, mode: str, sq: bool, targets: list[Target], stats, act_type: str, fmt: str):
+        plan: dict[str, QConfig] = {}
+        factors: dict[str, np.ndarray] = {}
+        info: list[str] = []
+        if sq and mode != "int4":
+            groups: dict[str, list[Target]] = {}
+            for t in targets:
+                if t.act is not None and t.act.name in stats and stats[t.act.name].rows is not None:
+                    groups.setdefault(t.act.name, []).append(t)
+            alphas = []
+            for name, group in groups.items():
+                if any(len(t.weight.uses()) != 1 for t in group):
+                    continue
+                s, a = smooth_mod.choose(stats[name], group, self.alpha, static=mode == "static")
+                factors[name] = s
+                alphas.append(a)
+            if alphas:
+                info.append(f"SmoothQuant on {len(factors)} activations (alpha {self.alpha}: "
+                            f"{', '.join(f'{a:g}' for a in sorted(set(alphas)))})")
+        chosen = Counter()
+        for t in targets:
+            if t.kind in ("gather", "embed_table"):
+                plan[t.key] = QConfig("gather")
+                continue
+            if mode == "int4":
+                if t.kind == "attention":  # no 4-bit attention kernel: int8 QAttention instead
+                    plan[t.key] = QConfig("dynamic")
+                    continue
+                cfg = QConfig("int4", block_size=self.block_size, accuracy_level=self.accuracy_level)
+                if self.int4_method == "gptq" and t.act.name in stats and stats[t.act.name].xtx is not None:
+                    from graphopt.rewrites._quant_int4 import gptq_int4
+
+                    cfg.int4_q = gptq_int4(t.weight_array, stats[t.act.name].xtx, self.block_size)
+                plan[t.key] = cfg
+                continue
+            cfg = QConfig(mode, act_type=act_type, fmt=fmt)
+            if mode == "static":
+                if fmt == "qdq" and t.kind == "attention":
+                    continue  # ORT has no QDQ -> QAttention fusion: keep float
+                st = stats.get(t.act.name)
+                if st is None:
+                    continue
+                s = factors.get(t.act.name)
+                cfg.act_range, which = self._range(st, t, s, act_type)
+                chosen[which] += 1
+            cfg.smooth = factors.get(t.act.name)
+            plan[t.key] = cfg
+        if chosen:
+            info.append("calibrators " + ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items())))
+        info.append(f"{len(plan)} of {len(targets)} targets quantized")
+        return plan, factors, "; ".join(info)
+
+    def _range(self, st: calib_mod.Stats, t: Target, s: np.ndarray | None, act_type: str):
+        if s is not None:  # smoothed: the range of x / s (per-channel bounds)
+            lo, hi = float(np.min(st.chan_min / s)), float(np.max(st.chan_max / s))
+            return (min(lo, 0.0), max(hi, 0.0)), "minmax(smoothed)"
+        cands = [self.calibrator] if self.calibrator != "auto" else ["minmax", "percentile", "entropy"]
+        best = None
+        for c in cands:
+            r = calib_mod.act_range(st, c, self.percentile)
+            if len(cands) == 1 or st.rows is None:
+                return r, c
+            err = smooth_mod.local_error(st.rows, t.weight_array, None, r, act_type)
+            if best is None or err < best[0]:
+                best = (err, r, c)
+        return best[1], best[2]
+
+    def _search(self, model, mode, targets, plan, factors, budget, calib, held, ref_calib, ref_held, ranking):
+        keys = [t.key for t in targets if t.key in plan]
+        macs = {t.key: t.macs_per_row for t in targets}
+        total = float(sum(macs.values())) or 1.0
+
+        def outcome(floats: list[str]) -> _Outcome:
+            p = {k: v for k, v in plan.items() if k not in floats}
+            return _Outcome(mode, p, factors, floats,
+                            float_macs=(total - sum(macs[k] for k in p)) / total)
+
+        o = outcome([])
+        o.calib = self._evaluate(model, o.plan, factors, calib, ref_calib)
+        if not budget.failures(o.calib):
+            o.held = self._evaluate(model, o.plan, factors, held, ref_held)
+            if not budget.failures(o.held):
+                o.ok = True
+                return o, ranking
+        if not self.mixed or len(keys) < 2:
+            if o.held is None:
+                o.held = self._evaluate(model, o.plan, factors, held, ref_held)
+            return o, ranking
+        if ranking is None:
+            ranking = self._sensitivity(model, keys, plan, factors, calib, ref_calib)
+            self._note("sensitivity (most sensitive first): " + ", ".join(ranking[:6])
+                       + (" ..." if len(ranking) > 6 else ""))
+        order = [k for k in ranking if k in plan]
+        # smallest k (float layers) meeting the budget on calib: binary search (monotone assumption)
+        lo, hi, best = 1, len(order) - 1, None  # all float is not a quantized model
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = outcome(order[:mid])
+            cand.calib = self._evaluate(model, cand.plan, factors, calib, ref_calib)
+            if not budget.failures(cand.calib):
+                best, hi = cand, mid - 1
+            else:
+                lo = mid + 1
+        if best is None:
+            o.held = self._evaluate(model, o.plan, factors, held, ref_held)
+            return o, ranking
+        # confirm on held-back feeds; keep more layers float while it fails there
+        k = len(best.floats)
+        while True:
+            best.held = self._evaluate(model, best.plan, factors, held, ref_held)
+            if not budget.failures(best.held) or k >= len(order) - 1:
+                best.ok = not budget.failures(best.held)
+                return best, ranking
+            k += 1
+            prev_calib = best.calib
+            best = outcome(order[:k])
+            best.calib = prev_calib
+            self._note(f"{mode}: budget held on calibration but not on held-back feeds; keeping {k} layers float")
+
+    def _sensitivity(self, model, keys, plan, factors, calib, ref_calib) -> list[str]:
+        n = self.sensitivity_feeds if self.sensitivity_feeds > 0 else len(calib)
+        feeds, ref = calib[:n], ref_calib[:n]
+        err = {}
+        for k in keys:
+            c = self._evaluate(model, {k: plan[k]}, factors, feeds, ref)
+            err[k] = (1.0 - c.worst("cosine")) + 0.25 * (1.0 - c.worst("cosine_min"))
+        return sorted(keys, key=lambda k: -err[k])
+
+    def _describe(self, o: _Outcome) -> str:
+        def m(c: Comparison | None) -> str:
+            if c is None:
+                return "n/a"
+            return f"cosine {c.worst('cosine'):.5f} / min {c.worst('cosine_min'):.5f}"
+
+        fl = f"{len(o.floats)} kept float ({', '.join(o.floats[:4])}{' ...' if len(o.floats) > 4 else ''})" \
+            if o.floats else "all quantized"
+        verdict = "meets the budget" if o.ok else "fails the budget"
+        return f"{o.mode}: {fl}; calibration {m(o.calib)}; held-back {m(o.held)}; {verdict}"
+
+    def _integer_ops_note(self, model: ir.Model) -> str:
+        """Which nodes ORT (CPU, all optimizations) actually runs as integer ops."""
+        try:
+            import onnx
+            import onnxruntime as ort
+
+            from graphopt import io
+
+            with tempfile.TemporaryDirectory(prefix="graphopt-q-") as d:
+                path = os.path.join(d, "opt.onnx")
+                so = runtime.session_options(threads=1)
+                so.optimized_model_filepath = path
+                ort.InferenceSession(io.to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
+                ops = Counter(n.op_type for n in onnx.load(path).graph.node)
+        except Exception as e:  # noqa: BLE001 - informative only
+            return f"could not inspect the ORT-optimized graph: {e}"
+        integer = {k: v for k, v in ops.items() if any(k.startswith(p) for p in INTEGER_OPS)}
+        flt = {k: v for k, v in ops.items() if k in ("MatMul", "Gemm", "FusedMatMul", "Attention")}
+        return ("ORT CPU optimized graph: integer ops " + (", ".join(f"{k} x{v}" for k, v in sorted(integer.items()))
+                or "none") + "; float matmul-like ops " + (", ".join(f"{k} x{v}" for k, v in sorted(flt.items()))
+                                                           or "none"))
+
+
+def quantize_model(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]], *, budget: str | None = None,
+                   provider: str = "cpu", **options) -> tuple[ir.Model, list[str]]:
+    """Convenience: quantize ``model`` in place with the first half of ``feeds`` for calibration."""
+    from graphopt.registry import PassContext
+
+    p = QuantizePass(**options)
+    feeds = list(feeds)
+    k = max(1, len(feeds) // 2)
+    p.context = PassContext(provider=provider, feeds=feeds[k:] or feeds, calib_feeds=feeds[:k],
+                            budget=parse_budget(budget) if budget else None)
+    p(model)
+    return model, p.context.notes
+
+
+register(QuantizePass)

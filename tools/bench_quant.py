@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""Quantization benchmark on MiniLM: ORT's quantizers against graphopt's ``quantize`` pass.
+
+Variants (all from the ORT-transformers-optimizer fused MiniLM, the stand-in for graphopt's ``fuse``):
+fp32 fused; ORT ``quantize_dynamic`` per-tensor and per-channel; ORT ``quantize_static`` (QDQ);
+graphopt ``quantize`` default (auto: finds the configuration itself), dynamic, static without
+SmoothQuant, and int4 (MatMulNBits, accuracy_level 4).
+
+Sentences come from ``tools/workload.py``: the first ``--calib`` are the calibration part, the rest
+are held back. Accuracy is the cosine of sentence embeddings (mean-pooled last_hidden_state over real
+tokens, as sentence-transformers does) against the fp32 PyTorch model on the held-back sentences.
+Speed: batch 32 in random order, every variant loaded in one process and run round-robin, spinning
+off, 1 thread (``graphopt.bench.bench_models``).
+
+Usage::
+
+    python tools/bench_quant.py [-n 400] [--calib 128] [--rounds 6] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "models"))
+sys.path.insert(0, str(REPO / "tools"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+logger = logging.getLogger(__name__)
+
+
+def _batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
+    out = []
+    for i in range(0, len(sentences), batch):
+        e = tok(sentences[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="np")
+        out.append({k: e[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")})
+    return out
+
+
+def _pool(h: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    m = mask[..., None].astype(np.float32)
+    return (h * m).sum(1) / np.maximum(m.sum(1), 1e-9)
+
+
+def _cosines(got: list[np.ndarray], ref: list[np.ndarray]) -> np.ndarray:
+    g, r = np.concatenate(got), np.concatenate(ref)
+    return (g * r).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(r, axis=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=400, help="sentences in all")
+    ap.add_argument("--calib", type=int, default=128, help="sentences for calibration (the rest are held back)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--out", help="folder for the quantized models (default: a temp folder)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    import minilm
+    import onnx
+    import torch
+    import transformers
+    import workload
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from graphopt import io, runtime
+    from graphopt.bench import bench_models
+    from graphopt.metrics import parse_budget
+    from graphopt.registry import PassContext
+    from graphopt.rewrites.quantize import DEFAULT_BUDGET, QuantizePass
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-quant-"))
+    out.mkdir(parents=True, exist_ok=True)
+    os.chdir(out)  # ORT's quantizers write temp files into the current folder
+    src = minilm.source_folder()
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    sentences = workload.generate(args.n, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    sentences = [sentences[i] for i in rng.permutation(len(sentences))]  # random arrival order
+    calib = _batches(tok, sentences[: args.calib])
+    held = _batches(tok, sentences[args.calib:])
+    confirm = held[: max(1, len(held) // 3)]  # the pass confirms its budget on part of the held-back set
+
+    # fp32 PyTorch reference sentence embeddings on the held-back batches
+    model = transformers.AutoModel.from_pretrained(src).eval()
+    with torch.no_grad():
+        ref = [_pool(model(**{k: torch.from_numpy(v) for k, v in f.items()}).last_hidden_state.numpy(),
+                     f["attention_mask"]) for f in held]
+
+    fused = out / "fp32-fused.onnx"
+    optimize_model(str(minilm.build("torchscript", "eager")), model_type="bert", num_heads=12,
+                   hidden_size=384).save_model_to_file(str(fused))
+    paths: dict[str, Path] = {"fp32 fused (ORT optimizer)": fused}
+    fp_opts = {"DefaultTensorType": onnx.TensorProto.FLOAT}
+    for pc in (False, True):
+        p = out / f"ort-dynamic-{'pc' if pc else 'pt'}.onnx"
+        quantize_dynamic(str(fused), str(p), per_channel=pc, weight_type=QuantType.QInt8, extra_options=fp_opts)
+        paths[f"ORT quantize_dynamic per-{'channel' if pc else 'tensor'}"] = p
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(calib)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    p = out / "ort-static-qdq.onnx"
+    quantize_static(str(fused), str(p), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, extra_options=fp_opts)
+    paths["ORT quantize_static QDQ per-channel"] = p
+
+    notes: dict[str, list[str]] = {}
+    variants = {
+        "graphopt quantize (default: auto)": {},
+        "graphopt dynamic": {"mode": "dynamic", "smoothquant": "false"},
+        "graphopt static (no SmoothQuant)": {"mode": "static", "smoothquant": "false"},
+        "graphopt static + SmoothQuant": {"mode": "static", "smoothquant": "true"},
+        "graphopt int4 (RTN, acc 4)": {"mode": "int4", "accuracy_level": 4},
+    }
+    budget = parse_budget(DEFAULT_BUDGET)
+    for name, opts in variants.items():
+        t0 = time.perf_counter()
+        m = io.load(fused)
+        qp = QuantizePass(sensitivity_feeds=1, **opts)
+        qp.context = PassContext(provider="cpu", calib_feeds=calib, feeds=confirm, budget=budget)
+        res = qp(m)
+        notes[name] = [f"{time.perf_counter() - t0:.0f}s; modified={res.modified}", *qp.context.notes]
+        p = out / (name.replace(" ", "_").replace("(", "").replace(")", "").replace(":", "").replace(",", "")
+                   + ".onnx")
+        io.save(res.model, p)
+        paths[name] = p
+        print(f"quantized {name} in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    rows = []
+    for name, p in paths.items():
+        sess = runtime.make_session(p, threads=1)
+        got = [_pool(o["last_hidden_state"], f["attention_mask"])
+               for o, f in zip(runtime.run(sess, held, outputs=["last_hidden_state"]), held)]
+        cos = _cosines(got, ref)
+        size = sum(f.stat().st_size for f in out.glob(p.name + "*"))
+        rows.append({"variant": name, "size_mb": size / 1e6, "cosine_mean": float(cos.mean()),
+                     "cosine_min": float(cos.min())})
+    res = bench_models({n: str(p) for n, p in paths.items()}, held, rounds=args.rounds)
+    base = res[0].p50
+    ort_pc = res[list(paths).index("ORT quantize_dynamic per-channel")].p50
+    for row, r in zip(rows, res):
+        row.update(sentences_per_s=r.throughput, vs_fp32=base / r.p50, vs_ort_per_channel=ort_pc / r.p50)
+    print("| variant | sentences/s | × fp32 | × ORT dyn per-channel | size MB | cosine mean | cosine min |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['variant']} | {row['sentences_per_s']:.1f} | {row['vs_fp32']:.2f} | "
+              f"{row['vs_ort_per_channel']:.2f} | {row['size_mb']:.1f} | {row['cosine_mean']:.4f} | "
+              f"{row['cosine_min']:.4f} |")
+    for name, ns in notes.items():
+        print(f"\n{name}:\n  " + "\n  ".join(ns))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
