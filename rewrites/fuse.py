@@ -6,7 +6,7 @@ it (every refusal has a reason, shown by ``--explain fuse``) and rewrites it wit
 
     ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add ──▶ LayerNormalization (see fuse_layernorm)
     LayerNormalization(Add(x, skip [+ bias]))          ──▶ SkipLayerNormalization
-    x*0.5*(1+Erf(x/sqrt2))  /  tanh form               ──▶ Gelu / FastGelu
+    x*0.5*(1+Erf(x/sqrt2))  /  tanh form               ──▶ Gelu / FastGelu (tanh: see fuse_gelu_tanh)
     Gelu(Add(MatMul(x, W), b))                         ──▶ BiasGelu(MatMul(x, W), b)
     Reshape/Transpose(q,k,v) ─ MatMul ─ scale ─ (+mask) ─ Softmax ─ [IsNaN/Where] ─ MatMul ─ Transpose/Reshape
                                                        ──▶ MultiHeadAttention ──▶ Attention (packed QKV)
@@ -15,6 +15,8 @@ it (every refusal has a reason, shown by ``--explain fuse``) and rewrites it wit
                                                            (see fuse_mask_index; the mask nodes become dead)
     LayerNormalization(Gather(word, ids) + Gather(type, tt) + Gather(pos, 0..S-1))
                                                        ──▶ EmbedLayerNormalization (see fuse_embed_layernorm)
+    rotary with positions start + 0..S-1               ──▶ RotaryEmbedding with a run-time cos/sin cache
+                                                           (see fuse_rotary_cache)
     RMSNorm / SkipRMSNorm / RotaryEmbedding / GQA      ──▶ (Skip)SimplifiedLayerNormalization, RotaryEmbedding,
                                                            GroupQueryAttention (decoders)
 
@@ -57,9 +59,10 @@ FUSED_OPS = (
 
 def _prepare(model: ir.Model) -> str | None:
     """Fold constants, infer shapes, simplify shape arithmetic; annotate symbolic shapes."""
-    from graphopt.rewrites.fuse_shapes import annotate_symbolic_shapes
     from onnxscript.optimizer import optimize
     from onnxscript.rewriter.ort_fusions import shape_optimization
+
+    from graphopt.rewrites.fuse_shapes import annotate_symbolic_shapes
 
     common_passes.ShapeInferencePass()(model)
     optimize(model, inline=False)  # graphopt's own ai.graphopt functions stay functions
@@ -70,10 +73,6 @@ def _prepare(model: ir.Model) -> str | None:
 
 def _steps(opts: FusePass) -> list[tuple[str, Any]]:
     """(rule family, onnxscript RewriteRuleSet or callable) in the order they must run."""
-    from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
-    from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
-    from graphopt.rewrites.fuse_layernorm import layer_norm_rules, layer_norm_scale_rules
-    from graphopt.rewrites.fuse_mask_index import MaskIndexStep
     from onnxscript.rewriter.ort_fusions import (
         attention,
         bias_gelu,
@@ -82,7 +81,6 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         gelu,
         gqa,
         gqa_packed_qkv,
-        mha,
         mha_bias,
         mha_scale,
         rms_normalization,
@@ -91,6 +89,14 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         sdpa_via_mha,
         skip_normalization,
     )
+
+    from graphopt.rewrites import fuse_mha
+    from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
+    from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
+    from graphopt.rewrites.fuse_gelu_tanh import tanh_gelu_rules
+    from graphopt.rewrites.fuse_layernorm import layer_norm_rules, layer_norm_scale_rules
+    from graphopt.rewrites.fuse_mask_index import MaskIndexStep
+    from graphopt.rewrites.fuse_rotary_cache import rotary_cache_rules
 
     def cse(model):
         common_passes.CommonSubexpressionEliminationPass()(model)
@@ -114,16 +120,21 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         steps += [
             ("rotary_embedding", rotary_embedding.rotary_embedding_rules),
             ("cos_sin_cache", cos_sin_cache.cos_sin_cache_rules),
+            ("rotary_from_positions", rotary_cache_rules),
             ("cse", cse),
             ("partial_rotary_embedding", rotary_embedding.partial_embedding_rules),
         ]
     if opts.attention:
         steps += [
             ("sdpa", _ThenInferShapes(sdpa.sdpa_rules)),
-            ("gqa", gqa.gqa_rules),
-            ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa_rules),
-            ("mha1", mha.mha_rules_with_past),
-            ("mha2", mha.mha_rules_no_past),
+        ]
+        if opts.gqa:
+            # onnxscript's GQA rule derives per-row lengths from the position ids and drops the
+            # attention mask: exact only when every row is right-padded (or unpadded); opt-in
+            steps += [("gqa", gqa.gqa_rules), ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa_rules)]
+        steps += [
+            ("mha1", fuse_mha.mha_rules_with_past),
+            ("mha2", fuse_mha.mha_rules_no_past),
             ("mha_scale", mha_scale._mha_scale_rules),
             ("mha_bias", mha_bias.mha_bias_rules),
             ("attention", attention.attention_rules),
@@ -131,6 +142,7 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         if opts.mask_index:
             steps.append(("mask_index", MaskIndexStep()))
     if opts.gelu != "off":
+        steps.append(("tanh_gelu", tanh_gelu_rules))
         steps.append(("gelu", gelu.gelu_rules))
         steps.append(("bias_gelu", bias_gelu.bias_gelu_rules))
     if opts.attention:
@@ -209,6 +221,7 @@ class FusePass(GraphoptPass):
         embed_layer_norm: bool = True,
         rotary: bool = True,
         mask_index: bool = True,
+        gqa: bool = False,
     ):
         super().__init__()
         if gelu not in ("auto", "off"):
@@ -221,6 +234,7 @@ class FusePass(GraphoptPass):
         self.embed_layer_norm = embed_layer_norm
         self.rotary = rotary
         self.mask_index = mask_index
+        self.gqa = gqa
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.optimizer import optimize
@@ -261,6 +275,11 @@ class FusePass(GraphoptPass):
             self.context.rule_counts[k] = v
         if self.context.explain:
             self.context.notes.extend(_explain(model, misses))
+            if not self.gqa and any(n.op_type == "MultiHeadAttention" for n in model.graph):
+                self.context.notes.append(
+                    "fuse: gqa: GroupQueryAttention not tried (option gqa=false): it replaces the attention "
+                    "mask by per-row lengths, exact only for right-padded batches; MultiHeadAttention used"
+                )
         return ir.passes.PassResult(model, modified=True)
 
 
@@ -305,12 +324,12 @@ def _explain(model: ir.Model, misses: list[str]) -> list[str]:
     notes = []
     if not status["fully_fused"]:
         notes.extend(misses)
-    for kind in ("attention", "layer_norm", "gelu"):
+    for kind in ("attention", "layer_norm", "gelu", "rotary"):
         s = status[kind]
         if s["unfused"]:
             notes.append(f"fuse: {s['unfused']} {kind} site(s) left unfused: {', '.join(s['unfused_nodes'][:5])}")
     if not notes:
-        notes.append("fuse: every attention, LayerNorm and GELU site is fused")
+        notes.append("fuse: every attention, LayerNorm, GELU and rotary site is fused")
     return notes
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
-from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
 from graphopt.runtime import make_session, run
 
 

@@ -168,7 +168,54 @@ def test_minilm_fully_fused(minilm, exporter, attn):
     ops = _ops(model)
     assert {k: ops[k] for k in EXPECTED} == EXPECTED, ops
     assert ops["Softmax"] == 0 and ops["Erf"] == 0 and ops["LayerNormalization"] == 0
+    # no float islands left: the mask subgraph is dead (2-D mask_index), packed QKV weights are folded
+    assert dict(ops) == {**EXPECTED, "MatMul": 18, "Cast": 3}, ops
+    att = next(n for n in model.graph if n.op_type == "Attention")
+    assert att.inputs[3].name == "attention_mask_int32" and att.attributes["mask_filter_value"].value < -1e4
     status = fusion_status(model)
     assert status["fully_fused"], status
     got = run(make_session(model, optimize=False), feeds)
     assert compare(got, ref, feeds).worst("max_abs") <= 1e-4
+
+
+def _tanh_gelu_model(c1=0.044715) -> ir.Model:
+    """x ─ MatMul ─ 0.5 x (1 + tanh(sqrt(2/pi) (x + c1 x^3))) as GPT-2 writes it."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Pow", ["h", "three"], ["h3"]),
+        helper.make_node("Mul", ["h3", "c1"], ["h3c"]),
+        helper.make_node("Add", ["h", "h3c"], ["s"]),
+        helper.make_node("Mul", ["s", "c2"], ["sc"]),
+        helper.make_node("Tanh", ["sc"], ["t"]),
+        helper.make_node("Add", ["t", "one"], ["a"]),
+        helper.make_node("Mul", ["h", "half"], ["hh"]),
+        helper.make_node("Mul", ["hh", "a"], ["y"]),
+    ]
+    inits = [
+        _init("w1", (D, F)),
+        numpy_helper.from_array(np.array(3.0, np.float32), "three"),
+        numpy_helper.from_array(np.array(c1, np.float32), "c1"),
+        numpy_helper.from_array(np.array(np.sqrt(2 / np.pi), np.float32), "c2"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+    ]
+    return _model(nodes, inits)
+
+
+def test_tanh_gelu_to_fast_gelu():
+    result, p, cmp = _fuse(_tanh_gelu_model())
+    ops = _ops(result.model)
+    assert ops["FastGelu"] == 1 and ops["Tanh"] == 0, ops
+    assert p.context.rule_counts["tanh_gelu"] == 1
+    assert cmp.worst("max_abs") <= 1e-5
+
+
+def test_tanh_gelu_refuses_other_constant():
+    from graphopt.rewrites.fuse import _why_not
+    from graphopt.rewrites.fuse_gelu_tanh import tanh_gelu_rules
+
+    result, _, cmp = _fuse(_tanh_gelu_model(c1=0.05))
+    assert _ops(result.model)["FastGelu"] == 0 and not result.modified
+    model = _tanh_gelu_model(c1=0.05)
+    ir.passes.common.ShapeInferencePass()(model)
+    assert "is not 0.044715" in (_why_not(tanh_gelu_rules, model, "tanh_gelu") or "")

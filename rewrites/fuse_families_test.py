@@ -1,0 +1,87 @@
+"""``fuse`` on the seeded tiny families of models/tiny.py: op counts, parity, and why what stays unfused does.
+
+What is fused today (dynamo exports):
+
+- BERT-like: fully fused (2 Attention with the 2-D mask_index, 4 SkipLayerNorm, 2 BiasGelu, EmbedLayerNorm).
+- GPT-2-like with past: 2 MultiHeadAttention (past/present), 4 SkipLayerNorm, 2 FastGelu (tanh GELU).
+  Not fused: the first LayerNorm, fed by the embedding sum ``wte + wpe``, which is also the first
+  residual (SkipLayerNormalization's rule refuses a sum used elsewhere).
+- Llama-like with past: SimplifiedLayerNorm + 4 SkipSimplifiedLayerNorm, 4 RotaryEmbedding (run-time
+  cos/sin cache, see fuse_rotary_cache), 2 MultiHeadAttention. Not used: GroupQueryAttention (option
+  ``gqa``, off by default: it replaces the mask by per-row lengths, exact only for right padding), so K/V
+  heads stay expanded (Expand/Reshape) for MultiHeadAttention; ``--explain`` says so.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import onnx_ir as ir
+import pytest
+
+from graphopt import registry
+from graphopt.feeds import generate
+from graphopt.fusion_status import fusion_status
+from graphopt.metrics import compare
+from graphopt.runtime import make_session, run
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    pytest.importorskip("torch", reason="torch is needed to export the tiny models")
+    from conftest import load_models_module
+
+    mod = load_models_module("tiny")
+    return lambda family, task: mod.build(family, task, exporter="dynamo")
+
+
+def _fuse(path):
+    model = ir.load(path)
+    feeds = generate(model)
+    ref = run(make_session(model, optimize=False), feeds)
+    p = registry.create("fuse")
+    p.context.explain = True
+    p(model)
+    got = run(make_session(model, optimize=False), feeds)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    return model, ops, p.context.notes, compare(got, ref, feeds).worst("max_abs")
+
+
+def test_bert_fully_fused(tiny):
+    model, ops, _, err = _fuse(tiny("bert", "feature-extraction"))
+    want = {"Attention": 2, "SkipLayerNormalization": 4, "BiasGelu": 2, "EmbedLayerNormalization": 1}
+    assert {k: ops[k] for k in want} == want, ops
+    assert ops["Softmax"] == 0 and ops["Where"] == 0  # the mask subgraph is gone: 2-D mask_index
+    att = next(n for n in model.graph if n.op_type == "Attention")
+    assert att.inputs[3] is not None and att.inputs[3].shape.rank() == 2
+    assert fusion_status(model)["fully_fused"]
+    assert err <= 1e-5
+
+
+def test_gpt2_with_past(tiny):
+    model, ops, notes, err = _fuse(tiny("gpt2", "causal-lm-with-past"))
+    want = {"MultiHeadAttention": 2, "SkipLayerNormalization": 4, "FastGelu": 2}
+    assert {k: ops[k] for k in want} == want, ops
+    assert ops["Softmax"] == 0 and ops["Tanh"] == 0
+    assert err <= 1e-5
+    status = fusion_status(model)
+    assert status["attention"]["unfused"] == 0 and status["gelu"]["unfused"] == 0
+    assert status["layer_norm"]["unfused"] == 1
+    assert any("1 layer_norm site(s) left unfused" in n for n in notes), notes
+    (ln,) = [n for n in model.graph if n.op_type == "LayerNormalization"]
+    emb_sum = ln.inputs[0]
+    assert emb_sum.producer().op_type == "Add" and len(emb_sum.uses()) > 1  # the sum is also the residual
+
+
+def test_llama_with_past(tiny):
+    model, ops, notes, err = _fuse(tiny("llama", "causal-lm-with-past"))
+    want = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4, "MultiHeadAttention": 2,
+            "RotaryEmbedding": 4}
+    assert {k: ops[k] for k in want} == want, ops
+    assert all(n.domain == "com.microsoft" for n in model.graph if n.op_type == "RotaryEmbedding")
+    assert ops["Softmax"] == 0 and ops["GroupQueryAttention"] == 0
+    assert err <= 1e-5
+    status = fusion_status(model)
+    assert status["rotary"] == {"fused": 4, "unfused": 0, "unfused_nodes": []}
+    assert status["fully_fused"], status
+    assert any(n.startswith("fuse: gqa: GroupQueryAttention not tried") for n in notes), notes
