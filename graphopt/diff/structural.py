@@ -130,7 +130,7 @@ class Region:
     passes: dict[str, int]  # pass name -> number of B nodes tagged with it
     inputs: list[str]  # boundary values (A names) the region reads
     outputs: list[str]  # boundary values (A names, else B names) the region produces
-    shared_by: list[int] = dataclasses.field(default_factory=list)  # regions an A-only region fed
+    shared_by: list[int] = dataclasses.field(default_factory=list)  # regions a shared helper region fed
 
     @property
     def kind(self) -> str:
@@ -143,12 +143,12 @@ class Region:
             return ", ".join(f"{k}×{n}" if n > 1 else k for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
 
         by = f" by {', '.join(sorted(self.passes))}" if self.passes else ""
+        fed = f", shared by regions {', '.join(map(str, self.shared_by))}" if self.shared_by else ""
         if self.kind == "rewritten":
-            return f"{len(self.a_nodes)} nodes ({ops(self.a_ops)}) became {len(self.b_nodes)} ({ops(self.b_ops)}){by}"
+            return f"{len(self.a_nodes)} nodes ({ops(self.a_ops)}) became {len(self.b_nodes)} ({ops(self.b_ops)}){fed}{by}"
         if self.kind == "removed":
-            fed = f", shared by regions {', '.join(map(str, self.shared_by))}" if self.shared_by else ""
             return f"{len(self.a_nodes)} nodes removed ({ops(self.a_ops)}){fed}{by}"
-        return f"{len(self.b_nodes)} nodes added ({ops(self.b_ops)}){by}"
+        return f"{len(self.b_nodes)} nodes added ({ops(self.b_ops)}){fed}{by}"
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -372,18 +372,31 @@ def find_regions(m: Matching) -> list[Region]:
     a_un_set, b_un_set = set(a_un), set(b_un)
     a2b_val = {va: vb for vb, va in m.value_b2a.items()}
 
-    # 1. components of B's unmatched nodes
+    # 1. components of B's unmatched nodes. A new helper fed only by paired values and used by
+    # several new nodes (e.g. one mask Cast shared by every fused Attention) does not glue their
+    # components together: it becomes a shared region of its own (step 3).
+    def _b_users(j: int) -> set[int]:
+        return {b_idx[id(u)] for v in m.b_nodes[j].outputs for u, _ in v.uses() if b_idx.get(id(u)) in b_un_set}
+
+    def _fed_by_paired(j: int) -> bool:
+        return all(v is None or v in m.value_b2a or v.producer() is None
+                   or b_idx.get(id(v.producer())) not in b_un_set for v in m.b_nodes[j].inputs)
+
+    b_shared = {j for j in b_un if _fed_by_paired(j) and len(_b_users(j)) >= 2}
     uf_b = _UnionFind()
     for j in b_un:
         uf_b.find(j)
+        if j in b_shared:
+            continue
         for v in m.b_nodes[j].outputs:
             if v in m.value_b2a:
                 continue  # a paired value cuts the graph
             for user, _ in v.uses():
                 k = b_idx.get(id(user))
-                if k in b_un_set:
+                if k in b_un_set and k not in b_shared:
                     uf_b.union(j, k)
     comp_of_b = {j: uf_b.find(j) for j in b_un}
+    shared_fed = {j: frozenset(comp_of_b[k] for k in _b_users(j) if k not in b_shared) for j in b_shared}
 
     # 2. which B components each unmatched A node feeds (reverse topological order)
     reach: dict[int, frozenset] = {}
@@ -405,6 +418,10 @@ def find_regions(m: Matching) -> list[Region]:
     uf = _UnionFind()
     for j in b_un:
         uf.find(("b", comp_of_b[j]))
+        if j in b_shared and len(shared_fed[j]) >= 2:
+            uf.union(("shared", shared_fed[j]), ("b", comp_of_b[j]))
+        elif j in b_shared and shared_fed[j]:
+            uf.union(("b", next(iter(shared_fed[j]))), ("b", comp_of_b[j]))
     for i in a_un:
         if len(reach[i]) == 1:
             uf.union(("b", next(iter(reach[i]))), ("a", i))
@@ -447,9 +464,12 @@ def find_regions(m: Matching) -> list[Region]:
     for k, r in enumerate(regions):
         r.id = k
     for r in regions:
-        if r.b_nodes or not r.a_nodes:
+        if not r.a_nodes and not r.b_nodes:
             continue
-        fed = set().union(*(reach[int(x[1:])] for x in r.a_nodes))
+        b_in = [int(x[1:]) for x in r.b_nodes]
+        if any(j not in b_shared for j in b_in):
+            continue  # a region with its own new nodes is not a shared helper
+        fed = set().union(*(reach[int(x[1:])] for x in r.a_nodes), *(shared_fed[j] for j in b_in))
         if fed:
             targets = sorted({root_of_comp[c].id for c in fed if c in root_of_comp})
             r.shared_by = targets
