@@ -1,0 +1,324 @@
+"""Helpers of ``remove-padding``: dimension probing and the pack/unpack index machinery.
+
+Dimension probing: run the model (ORT, optimizations off) on two all-ones-mask feeds with different
+batch/sequence sizes, every intermediate value as an output, and label each dimension of each value
+``"B"`` (batch), ``"S"`` (sequence), ``"BS"`` (their product), an ``int`` (same in both runs) or ``"?"``.
+This works on any export whatever shape information it carries.
+
+Index machinery, built once from the ``[B, S]`` attention mask::
+
+    flat    = Reshape(mask, [-1])                 [B*S]
+    idx     = NonZero(flat)                       [1, N]    real-token flat positions
+    idx_ext = Concat(idx, idx[0])                 [1, N+1]  plus the scratch row (flat position 0 if N=0)
+    idx_s   = Mod(idx_ext, S), idx_b = Div(idx_ext, S)      sequence / batch index of each packed row
+    pos_map = Where(flat != 0, CumSum(flat != 0) - 1, N) reshaped to [B, S]
+                                                  packed row of each position (N = scratch row)
+
+Packed tensors are ``[1, N+1, *rest]``: the N real tokens in row-major order plus one scratch row (a
+copy of the first real token) that padded positions read when unpacked, so unpacking is one Gather and
+every padded slot holds finite values of a real token::
+
+    pack   [B, S, *rest] -> [1, N+1, *rest]:  Gather(Reshape(x, [B*S, *rest]), idx_ext, axis=0)
+    unpack [1, N+1, *rest] -> [B, S, *rest]:  Gather(Squeeze(p, 0), pos_map, axis=0)
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
+
+#: (batch, seq) of the two probe runs: small primes that collide with no model dimension
+PROBES = ((3, 7), (5, 11))
+
+Label = object  # "B" | "S" | "BS" | int | "?"
+
+
+def probe_labels(model: ir.Model, mask: ir.Value) -> dict[str, tuple[Label, ...]]:
+    """Value name -> dimension labels, from two runs with different batch/sequence sizes.
+
+    Raises whatever ONNX Runtime raises when the model cannot run (the caller refuses).
+    """
+    from graphopt.runtime import make_session
+
+    graph = model.graph
+    mask_dims = list(mask.shape.dims) if mask.shape is not None else []
+    if len(mask_dims) != 2:
+        raise ValueError(f"mask {mask.name!r} is not rank 2")
+    known = {v.name for v in graph.inputs} | set(graph.initializers) | {v.name for v in graph.outputs}
+    # ONNX Runtime accepts graph outputs without a type, so every named intermediate can be one
+    extra = [out for node in graph for out in node.outputs if out.name and out.name not in known]
+    original_outputs = list(graph.outputs)
+    try:
+        graph.outputs.extend(extra)
+        # make_session takes the onnx_ir model itself (large models go through a temporary file)
+        sess = make_session(model, optimize=False, threads=1)
+    finally:
+        graph.outputs.clear()
+        graph.outputs.extend(original_outputs)
+    names = [o.name for o in sess.get_outputs()]
+    runs = []
+    for b, s in PROBES:
+        feed = {}
+        for v in graph.inputs:
+            if v.name in graph.initializers:
+                continue
+            dims = [] if v.shape is None else list(v.shape.dims)
+            shape = []
+            for d in dims:
+                if isinstance(d, int):
+                    shape.append(d)
+                elif d == mask_dims[0]:
+                    shape.append(b)
+                elif d == mask_dims[1]:
+                    shape.append(s)
+                else:
+                    raise ValueError(f"input {v.name!r} has dimension {d} that is neither batch nor sequence")
+            dtype = v.dtype.numpy() if v.dtype is not None else np.dtype(np.float32)
+            fill = 1 if v is mask else 0
+            feed[v.name] = np.full(shape, fill, dtype=dtype)
+        outs = sess.run(names, feed)
+        shapes = {n: np.shape(o) for n, o in zip(names, outs)}
+        for n, a in feed.items():
+            shapes[n] = a.shape
+        runs.append(shapes)
+    labels: dict[str, tuple[Label, ...]] = {}
+    (b1, s1), (b2, s2) = PROBES
+    for n, sh1 in runs[0].items():
+        sh2 = runs[1].get(n)
+        if sh2 is None or len(sh1) != len(sh2):
+            continue
+        lab: list[Label] = []
+        for d1, d2 in zip(sh1, sh2):
+            if d1 == d2:
+                lab.append(int(d1))
+            elif (d1, d2) == (b1, b2):
+                lab.append("B")
+            elif (d1, d2) == (s1, s2):
+                lab.append("S")
+            elif (d1, d2) == (b1 * s1, b2 * s2):
+                lab.append("BS")
+            else:
+                lab.append("?")
+        labels[n] = tuple(lab)
+    for name, init in graph.initializers.items():
+        if init.const_value is not None:
+            labels[name] = tuple(int(d) for d in init.const_value.shape)
+    return labels
+
+
+_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _constant(tape: ir.tape.Tape, key: tuple, array: np.ndarray) -> ir.Value:
+    """One Constant node per distinct int64 value per tape."""
+    cache = _CONSTANTS.setdefault(tape, {})
+    if key not in cache:
+        cache[key] = tape.op("Constant", [], {"value": ir.tensor(array)})
+    return cache[key]
+
+
+def const_ints(tape: ir.tape.Tape, values: Sequence[int]) -> ir.Value:
+    """A Constant node holding a 1-D int64 tensor (shared per tape)."""
+    vals = tuple(int(v) for v in values)
+    return _constant(tape, ("1d", vals), np.asarray(vals, dtype=np.int64))
+
+
+def const_scalar(tape: ir.tape.Tape, value: int) -> ir.Value:
+    """A Constant node holding an int64 scalar (shared per tape)."""
+    return _constant(tape, ("0d", int(value)), np.asarray(int(value), dtype=np.int64))
+
+
+class PackIndex:
+    """The index values computed once from the mask, and pack/unpack builders that use them."""
+
+    def __init__(self, tape: ir.tape.Tape, mask: ir.Value):
+        self.tape = tape
+        self.mask = mask
+        t = tape
+        self.mask_shape = t.op("Shape", [mask])  # [B, S]
+        flat = t.op("Reshape", [mask, const_ints(t, [-1])])
+        self.is_real = t.op("Cast", [flat], {"to": ir.DataType.BOOL})
+        self.idx = t.op("NonZero", [self.is_real])  # [1, N] int64
+        self.idx.name = "packing_token_index"
+        # the scratch row N: a copy of the first real token (flat position 0 when there is none)
+        first = t.op("Gather", [t.op("Pad", [t.op("Reshape", [self.idx, const_ints(t, [-1])]), const_ints(t, [0, 1])]),
+                                const_ints(t, [0])], {"axis": 0})
+        self.idx_ext = t.op("Concat", [self.idx, t.op("Unsqueeze", [first, const_ints(t, [0])])], {"axis": 1})
+        self.idx_ext.name = "packing_row_index"  # [1, N + 1]
+        seq = t.op("Gather", [self.mask_shape, const_scalar(t, 1)], {"axis": 0})
+        self.idx_s = t.op("Mod", [self.idx_ext, seq])
+        self.idx_b = t.op("Div", [self.idx_ext, seq])
+        ones = t.op("Cast", [self.is_real], {"to": ir.DataType.INT64})
+        rank = t.op("Sub", [t.op("CumSum", [ones, const_scalar(t, 0)]), const_scalar(t, 1)])
+        total = t.op("Shape", [self.idx], {"start": 1, "end": 2})  # [N]
+        self.total = total
+        flat_map = t.op("Where", [self.is_real, rank, total])
+        self.pos_map = t.op("Reshape", [flat_map, self.mask_shape])  # [B, S]
+        self.pos_map.name = "packing_position_map"
+        self._packed: dict[tuple[int, str], ir.Value] = {}
+
+    def pack(self, value: ir.Value, lead: tuple[Label, Label], rank: int) -> ir.Value:
+        """``value`` with leading dims ``lead`` in {1,B}x{1,S} (rank ``rank``) -> ``[1, N, *rest]``."""
+        key = (id(value), str(lead))
+        if key in self._packed:
+            return self._packed[key]
+        t = self.tape
+        if lead == ("B", "S"):
+            rest = t.op("Shape", [value], {"start": 2})
+            flat = t.op("Reshape", [value, t.op("Concat", [const_ints(t, [-1]), rest], {"axis": 0})])
+            out = t.op("Gather", [flat, self.idx_ext], {"axis": 0})
+        elif lead == (1, "S"):
+            out = t.op("Gather", [t.op("Squeeze", [value, const_ints(t, [0])]), self.idx_s], {"axis": 0})
+        elif lead == ("B", 1):
+            out = t.op("Gather", [t.op("Squeeze", [value, const_ints(t, [1])]), self.idx_b], {"axis": 0})
+        elif lead == ("S",):  # rank r-1 operand aligned with [S, *rest]
+            out = t.op("Gather", [value, self.idx_s], {"axis": 0})
+        else:
+            raise ValueError(f"cannot pack leading dims {lead}")
+        out.name = f"{value.name}_packed" if value.name else None
+        self._packed[key] = out
+        return out
+
+    def unpack(self, packed: ir.Value, rank: int, name: str | None = None) -> ir.Value:
+        """``[1, N+1, *rest]`` -> ``[B, S, *rest]``; padded positions get the scratch row (a real token's values)."""
+        t = self.tape
+        rows = t.op("Squeeze", [packed, const_ints(t, [0])])  # [N + 1, *rest]
+        out = t.op("Gather", [rows, self.pos_map], {"axis": 0})
+        if name:
+            out.name = name
+        return out
+
+    def unpack_zeros(self, packed: ir.Value, rank: int, dtype: ir.DataType | None) -> ir.Value:
+        """Like :meth:`unpack`, with zeros at padded positions (for graph outputs)."""
+        t = self.tape
+        keep = t.op("Reshape", [self.is_real, self.mask_shape])
+        if rank > 2:
+            keep = t.op("Unsqueeze", [keep, const_ints(t, list(range(2, rank)))])
+        np_dtype = dtype.numpy() if dtype is not None else np.dtype(np.float32)
+        zero = t.op("Constant", [], {"value": ir.tensor(np.zeros((), dtype=np_dtype))})
+        return t.op("Where", [keep, self.unpack(packed, rank), zero])
+
+    def real_rows(self, packed: ir.Value) -> ir.Value:
+        """``[1, N+1, *rest]`` -> ``[N, *rest]`` (drops the scratch row)."""
+        t = self.tape
+        rows = t.op("Slice", [packed, const_ints(t, [0]), self.total, const_ints(t, [1])])
+        return t.op("Squeeze", [rows, const_ints(t, [0])])
+
+    def padded_shape(self, packed: ir.Value) -> ir.Value:
+        """The shape ``[B, S, *rest]`` of the unpacked form of ``packed``."""
+        t = self.tape
+        rest = t.op("Shape", [packed], {"start": 2})
+        return t.op("Concat", [self.mask_shape, rest], {"axis": 0})
+
+
+class GroupIndex:
+    """Length-sorted groups of rows, for attention on compact per-group layouts (built once).
+
+    Rows are sorted by real length (descending) and cut into ``groups`` consecutive groups of about
+    ``B / groups`` rows; group ``g`` is laid out as ``[B_g, L_g]`` with ``L_g`` its longest row, real
+    tokens first, filler slots (masked keys) after. ``map`` gives the packed row of each slot (the
+    scratch row ``N`` for fillers), ``seq_pos`` its position in the original padded row, ``inverse`` the slot of each packed
+    row in the concatenation of all groups (flattened).
+    """
+
+    def __init__(self, tape: ir.tape.Tape, index: PackIndex, groups: int):
+        t = self.tape = tape
+        self.index = index
+        self.groups = groups
+        mask2d = t.op("Reshape", [t.op("Cast", [index.is_real], {"to": ir.DataType.INT64}), index.mask_shape])
+        lengths = t.op("ReduceSum", [mask2d, const_ints(t, [1])], {"keepdims": 0})  # [B]
+        batch = t.op("Shape", [index.mask], {"start": 0, "end": 1})  # [1]
+        self.seq = t.op("Shape", [index.mask], {"start": 1, "end": 2})  # [1]
+        sorted_len, order = t.op_multi_out("TopK", [lengths, batch], {"axis": 0, "largest": 1, "sorted": 1},
+                                           num_outputs=2)
+        starts = t.op("CumSum", [lengths, const_scalar(t, 0)], {"exclusive": 1})  # first packed token of each row
+        total = t.op("Squeeze", [index.total, const_ints(t, [0])])  # N (scalar)
+        # sequence position of each packed row (the scratch row N included: fillers read it)
+        seq_pos_tok = t.op("Reshape", [index.idx_s, const_ints(t, [-1])])
+        self.rows: list[ir.Value] = []
+        self.map: list[ir.Value] = []
+        self.valid: list[ir.Value] = []
+        self.seq_pos: list[ir.Value] = []
+        tok_parts, slot_parts = [], []
+        offset = const_scalar(t, 0)
+        for g in range(groups):
+            lo = t.op("Div", [t.op("Mul", [batch, const_ints(t, [g])]), const_ints(t, [groups])])
+            hi = t.op("Div", [t.op("Mul", [batch, const_ints(t, [g + 1])]), const_ints(t, [groups])])
+            rows = t.op("Slice", [order, lo, hi])  # [Bg]
+            lens = t.op("Slice", [sorted_len, lo, hi])
+            longest = t.op("ReduceMax", [t.op("Concat", [lens, const_ints(t, [1])], {"axis": 0})], {"keepdims": 0})
+            j = t.op("Range", [const_scalar(t, 0), longest, const_scalar(t, 1)])  # [Lg]
+            first = t.op("Unsqueeze", [t.op("Gather", [starts, rows], {"axis": 0}), const_ints(t, [1])])
+            tok = t.op("Add", [first, j])  # [Bg, Lg]
+            valid = t.op("Less", [j, t.op("Unsqueeze", [lens, const_ints(t, [1])])])
+            slot_map = t.op("Where", [valid, tok, total])
+            self.rows.append(rows)
+            self.map.append(slot_map)
+            self.valid.append(valid)
+            self.seq_pos.append(t.op("Gather", [seq_pos_tok, slot_map], {"axis": 0}))
+            size = t.op("Size", [slot_map])
+            slots = t.op("Reshape", [t.op("Range", [offset, t.op("Add", [offset, size]), const_scalar(t, 1)]),
+                                     t.op("Shape", [slot_map])])
+            offset = t.op("Add", [offset, size])
+            flat_valid = t.op("Reshape", [valid, const_ints(t, [-1])])
+            tok_parts.append(t.op("Compress", [t.op("Reshape", [slot_map, const_ints(t, [-1])]), flat_valid], {"axis": 0}))
+            slot_parts.append(t.op("Compress", [t.op("Reshape", [slots, const_ints(t, [-1])]), flat_valid], {"axis": 0}))
+        zeros = t.op("ConstantOfShape", [index.total], {"value": ir.tensor(np.zeros(1, np.int64))})
+        inverse = t.op("ScatterElements", [zeros, t.op("Concat", tok_parts, {"axis": 0}),
+                                           t.op("Concat", slot_parts, {"axis": 0})], {"axis": 0})
+        # the scratch row takes slot 0 (group 0 is never empty of slots: L_g >= 1)
+        inverse = t.op("Concat", [inverse, const_ints(t, [0])], {"axis": 0})
+        self.inverse = t.op("Unsqueeze", [inverse, const_ints(t, [0])])  # [1, N + 1]
+        self.inverse.name = "packing_group_inverse"
+        self._rows_cache: dict[int, ir.Value] = {}
+        self._bias_cache: dict[tuple[int, int], ir.Value] = {}
+
+    def padded_rows(self, packed: ir.Value, rank: int) -> ir.Value:
+        """``[1, N+1, *rest]`` -> ``[N+1, *rest]`` (fillers read the scratch row N)."""
+        if id(packed) not in self._rows_cache:
+            self._rows_cache[id(packed)] = self.tape.op("Squeeze", [packed, const_ints(self.tape, [0])])
+        return self._rows_cache[id(packed)]
+
+    def gather(self, packed: ir.Value, g: int, rank: int = 3) -> ir.Value:
+        """Group ``g`` layout ``[B_g, L_g, *rest]`` of a packed value (filler slots: the scratch row)."""
+        return self.tape.op("Gather", [self.padded_rows(packed, rank), self.map[g]], {"axis": 0})
+
+    def attention_bias(self, bias: ir.Value, lead_batch: bool, g: int, fill: float) -> ir.Value:
+        """Group ``g`` of a ``[B|1, 1, S, S]`` additive bias: ``[B_g, 1, L_g, L_g]``, filler keys = ``fill``."""
+        key = (id(bias), g)
+        if key not in self._bias_cache:
+            t = self.tape
+            flat = t.op("Reshape", [bias, const_ints(t, [-1])])
+            pos = self.seq_pos[g]  # [Bg, Lg]
+            seq = t.op("Squeeze", [self.seq, const_ints(t, [0])])
+            idx = t.op("Add", [t.op("Unsqueeze", [t.op("Mul", [pos, seq]), const_ints(t, [2])]),
+                               t.op("Unsqueeze", [pos, const_ints(t, [1])])])  # [Bg, Lg, Lg]
+            if lead_batch:
+                base = t.op("Mul", [self.rows[g], t.op("Mul", [seq, seq])])
+                idx = t.op("Add", [idx, t.op("Unsqueeze", [base, const_ints(t, [1, 2])])])
+            vals = t.op("Gather", [flat, idx], {"axis": 0})
+            keys_valid = t.op("Unsqueeze", [self.valid[g], const_ints(t, [1])])  # [Bg, 1, Lg]
+            fill_v = t.op("Constant", [], {"value": ir.tensor(np.asarray(fill, dtype=np.float32))})
+            vals = t.op("Where", [keys_valid, vals, fill_v])
+            self._bias_cache[key] = t.op("Unsqueeze", [vals, const_ints(t, [1])])
+        return self._bias_cache[key]
+
+    def key_mask(self, mask: ir.Value, g: int) -> ir.Value:
+        """Group ``g`` of a ``[B, S]`` key padding mask: ``[B_g, L_g]`` int32, fillers 0."""
+        key = (id(mask), g)
+        if key not in self._bias_cache:
+            t = self.tape
+            flat = t.op("Reshape", [mask, const_ints(t, [-1])])
+            seq = t.op("Squeeze", [self.seq, const_ints(t, [0])])
+            idx = t.op("Add", [t.op("Unsqueeze", [t.op("Mul", [self.rows[g], seq]), const_ints(t, [1])]),
+                               self.seq_pos[g]])
+            keep = t.op("And", [t.op("Cast", [t.op("Gather", [flat, idx], {"axis": 0})], {"to": ir.DataType.BOOL}),
+                                self.valid[g]])
+            self._bias_cache[key] = t.op("Cast", [keep], {"to": ir.DataType.INT32})
+        return self._bias_cache[key]

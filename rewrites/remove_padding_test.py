@@ -1,0 +1,378 @@
+"""Tests of remove-padding: a hand-built one-layer encoder (no torch) and the real MiniLM exports."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt import registry
+from graphopt.metrics import compare
+from graphopt.runtime import make_session, run
+
+H, NH, VOCAB, MAXPOS = 16, 2, 50, 64
+
+
+def _encoder(*, mask: bool = True, pool: bool | str = False, mask_in_softmax: bool = True,
+             position_ids: bool = False, opset: int = 17, mha: str = "") -> ir.Model:
+    """A one-layer BERT-like encoder in standard ops (embeddings, attention, FFN, LayerNorms)."""
+    rng = np.random.default_rng(0)
+    inits = []
+
+    def w(name, *shape, scale=0.3):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def c(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    nodes = [
+        helper.make_node("Gather", [w("word", VOCAB, H), "input_ids"], ["we"]),
+        helper.make_node("Gather", [w("ttab", 2, H), "token_type_ids"], ["te"]),
+        helper.make_node("Add", ["we", "te"], ["e1"]),
+    ]
+    if position_ids:
+        nodes.append(helper.make_node("Gather", [w("ptab", MAXPOS, H), "position_ids"], ["pe"]))
+    else:  # positions 0..S-1 from the shape: a [S, H] operand
+        nodes += [
+            helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+            helper.make_node("Gather", ["ids_shape", c("one", np.array(1, np.int64))], ["seq"], axis=0),
+            helper.make_node("Range", [c("zero", np.array(0, np.int64)), "seq", "one"], ["pos"]),
+            helper.make_node("Gather", [w("ptab", MAXPOS, H), "pos"], ["pe"]),
+        ]
+    nodes += [
+        helper.make_node("Add", ["e1", "pe"], ["e2"]),
+        helper.make_node("LayerNormalization", ["e2", w("g0", H), w("b0", H)], ["x0"], axis=-1, epsilon=1e-5),
+    ]
+    for t in "qkv":
+        nodes += [
+            helper.make_node("MatMul", ["x0", w(f"W{t}", H, H)], [f"{t}m"]),
+            helper.make_node("Add", [f"{t}m", w(f"b{t}", H)], [f"{t}a"]),
+            helper.make_node("Shape", ["x0"], [f"{t}shape"], start=0, end=2),
+            helper.make_node("Concat", [f"{t}shape", c(f"{t}heads", np.array([NH, H // NH], np.int64))], [f"{t}tgt"], axis=0),
+            helper.make_node("Reshape", [f"{t}a", f"{t}tgt"], [f"{t}r"]),
+            helper.make_node("Transpose", [f"{t}r"], [f"{t}t"], perm=[0, 2, 3, 1] if t == "k" else [0, 2, 1, 3]),
+        ]
+    if mha:  # the fused form: com.microsoft MultiHeadAttention on [B, S, H] q/k/v
+        nodes += [
+            helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+            helper.make_node("Sub", [c("onef", np.array(1.0, np.float32)), "maskf"], ["inv"]),
+            helper.make_node("Mul", ["inv", c("neg", np.array(np.finfo(np.float32).min, np.float32))], ["bias2"]),
+            helper.make_node("Unsqueeze", ["bias2", c("ax12", np.array([1, 2], np.int64))], ["bias4"]),
+            helper.make_node("Shape", ["input_ids"], ["bs"]),
+            helper.make_node("Slice", ["bs", c("s1", np.array([1], np.int64)), c("s2", np.array([2], np.int64))], ["sdim"]),
+            helper.make_node("Slice", ["bs", c("s0", np.array([0], np.int64)), "s1"], ["bdim"]),
+            helper.make_node("Concat", ["bdim", "s1", "sdim", "sdim"], ["bshape"], axis=0),
+            helper.make_node("Expand", ["bias4", "bshape"], ["bias_full"]),
+            helper.make_node("Cast", ["attention_mask"], ["mask32"], to=TensorProto.INT32),
+        ]
+        extra = ["", "mask32"] if mha == "kpm" else ["", "", "bias_full"]
+        nodes.append(helper.make_node("MultiHeadAttention", ["qa", "ka", "va", *extra], ["ctxr"],
+                                      domain="com.microsoft", num_heads=NH))
+        nodes = [n for n in nodes if n.output[0] not in ("qr", "kr", "vr", "qt", "kt", "vt")]
+    nodes += [] if mha else [
+        helper.make_node("MatMul", ["qt", "kt"], ["scores"]),
+        helper.make_node("Div", ["scores", c("sqrt_d", np.array(np.sqrt(H // NH), np.float32))], ["scaled"]),
+    ]
+    if mask and mask_in_softmax and not mha:
+        nodes += [
+            helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+            helper.make_node("Sub", [c("onef", np.array(1.0, np.float32)), "maskf"], ["inv"]),
+            helper.make_node("Mul", ["inv", c("neg", np.array(np.finfo(np.float32).min, np.float32))], ["bias2"]),
+            helper.make_node("Unsqueeze", ["bias2", c("ax12", np.array([1, 2], np.int64))], ["bias4"]),
+            helper.make_node("Add", ["scaled", "bias4"], ["masked"]),
+        ]
+    elif not mha:
+        nodes.append(helper.make_node("Identity", ["scaled"], ["masked"]))
+    nodes += [] if mha else [
+        helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "vt"], ["ctx"]),
+        helper.make_node("Transpose", ["ctx"], ["ctxt"], perm=[0, 2, 1, 3]),
+        helper.make_node("Shape", ["x0"], ["x0shape"]),
+        helper.make_node("Reshape", ["ctxt", "x0shape"], ["ctxr"]),
+    ]
+    nodes += [
+        helper.make_node("MatMul", ["ctxr", w("Wo", H, H)], ["om"]),
+        helper.make_node("Add", ["om", w("bo", H)], ["oa"]),
+        helper.make_node("Add", ["oa", "x0"], ["res1"]),
+        helper.make_node("LayerNormalization", ["res1", w("g1", H), w("b1", H)], ["x1"], axis=-1, epsilon=1e-5),
+        helper.make_node("MatMul", ["x1", w("W1", H, 4 * H)], ["f1"]),
+        helper.make_node("Gelu", ["f1"], ["f1g"]) if opset >= 20 else helper.make_node("Erf", ["f1"], ["f1g"]),
+        helper.make_node("MatMul", ["f1g", w("W2", 4 * H, H)], ["f2"]),
+        helper.make_node("Add", ["f2", "x1"], ["res2"]),
+        helper.make_node("LayerNormalization", ["res2", w("g2", H), w("b2", H)], ["hidden"], axis=-1, epsilon=1e-5),
+    ]
+    out_name = "last_hidden_state"
+    if pool == "cls":  # the first position of every row (a pad token under left padding)
+        nodes.append(helper.make_node("Gather", ["hidden", c("zero_idx", np.array(0, np.int64))], [out_name], axis=1))
+        out = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["batch", H])
+    elif pool:
+        nodes.append(helper.make_node("ReduceMean", ["hidden"], [out_name], axes=[1], keepdims=0))
+        out = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["batch", H])
+    else:
+        nodes.append(helper.make_node("Identity", ["hidden"], [out_name]))
+        out = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["batch", "seq", H])
+    names = ["input_ids", "token_type_ids"] + (["attention_mask"] if mask else []) + (["position_ids"] if position_ids else [])
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in names]
+    graph = helper.make_graph(nodes, "encoder", inputs, [out], initializer=inits)
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if mha else [])
+    proto = helper.make_model(graph, opset_imports=opsets, ir_version=9)
+    onnx.checker.check_model(proto)
+    return ir.serde.deserialize_model(proto)
+
+
+def _fused_encoder(mask_layout: str) -> ir.Model:
+    """EmbedLayerNormalization + Attention + SkipLayerNormalization + BiasGelu (what ``fuse`` emits).
+
+    ``mask_layout``: "eln" (Attention takes the 1-D mask_index of EmbedLayerNormalization) or "raw"
+    (Attention takes the [B, S] int32 mask).
+    """
+    rng = np.random.default_rng(1)
+    inits = []
+
+    def w(name, *shape, scale=0.3):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    ms = "com.microsoft"
+    nodes = [
+        helper.make_node("Cast", ["input_ids"], ["ids32"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["token_type_ids"], ["tt32"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["attention_mask"], ["mask32"], to=TensorProto.INT32),
+        helper.make_node("EmbedLayerNormalization",
+                         ["ids32", "tt32", w("word", VOCAB, H), w("ptab", MAXPOS, H), w("ttab", 2, H),
+                          w("g0", H), w("b0", H), "mask32"], ["x0", "mask_index"], domain=ms, epsilon=1e-5),
+        helper.make_node("Attention", ["x0", w("Wqkv", H, 3 * H), w("bqkv", 3 * H),
+                                       "mask_index" if mask_layout == "eln" else "mask32"],
+                         ["ctx"], domain=ms, num_heads=NH),
+        helper.make_node("MatMul", ["ctx", w("Wo", H, H)], ["om"]),
+        helper.make_node("SkipLayerNormalization", ["om", "x0", w("g1", H), w("b1", H), w("bo", H)], ["x1"],
+                         domain=ms, epsilon=1e-5),
+        helper.make_node("MatMul", ["x1", w("W1", H, 4 * H)], ["f1"]),
+        helper.make_node("BiasGelu", ["f1", w("bf1", 4 * H)], ["f1g"], domain=ms),
+        helper.make_node("MatMul", ["f1g", w("W2", 4 * H, H)], ["f2"]),
+        helper.make_node("SkipLayerNormalization", ["f2", "x1", w("g2", H), w("b2", H)], ["last_hidden_state"],
+                         domain=ms, epsilon=1e-5),
+    ]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
+              for n in ("input_ids", "attention_mask", "token_type_ids")]
+    out = helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "seq", H])
+    graph = helper.make_graph(nodes, "fused", inputs, [out], initializer=inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)],
+                              ir_version=9)
+    return ir.serde.deserialize_model(proto)
+
+
+def _feed(lengths, seq=None, *, left=False, position_ids=False, mask=True, seed=0):
+    rng = np.random.default_rng(seed)
+    b, s = len(lengths), seq or max(max(lengths), 1)
+    m = np.zeros((b, s), np.int64)
+    for i, n in enumerate(lengths):
+        if n:
+            m[i, s - n:] = 1 if left else 0
+            m[i, :n] = 0 if left else 1
+    feed = {"input_ids": rng.integers(1, VOCAB, (b, s)).astype(np.int64) * m,
+            "token_type_ids": (rng.random((b, s)) < 0.3).astype(np.int64)}
+    if mask:
+        feed["attention_mask"] = m
+    if position_ids:
+        feed["position_ids"] = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
+    return feed
+
+
+def _apply(model: ir.Model, **options):
+    p = registry.create("remove-padding", options)
+    result = p(model)
+    return result, p
+
+
+def _check_exact(model_factory, feeds, atol=1e-5, **options):
+    ref_model = model_factory()
+    ref = run(make_session(ref_model, optimize=False), feeds)
+    model = model_factory()
+    result, p = _apply(model, **options)
+    assert result.modified, p.context.notes
+    got = run(make_session(result.model, optimize=False), feeds)
+    return got, ref, compare(got, ref, feeds, atol=atol, rtol=atol), result.model
+
+
+FEEDS = {
+    "right": _feed([5, 3, 1, 7]),
+    "left": _feed([5, 3, 1, 7], left=True, seed=1),
+    "no_padding": _feed([6, 6, 6]),
+    "batch1": _feed([4], seq=9),
+    "all_padding_row": _feed([4, 0, 2]),
+    "holes": None,  # a mask with interior zeros, filled below
+}
+FEEDS["holes"] = _feed([6, 6], seed=2)
+FEEDS["holes"]["attention_mask"][0, 2] = 0
+FEEDS["all_padding_batch"] = _feed([0, 0], seq=4)
+
+
+@pytest.mark.parametrize("case", list(FEEDS))
+def test_exact_on_real_tokens(case):
+    feeds = [FEEDS[case]]
+    got, ref, cmp, model = _check_exact(_encoder, feeds)
+    assert cmp.worst("max_abs") <= 1e-5, cmp.summary()
+    out = got[0]["last_hidden_state"]
+    m = feeds[0]["attention_mask"].astype(bool)
+    assert not np.isnan(out).any()
+    assert np.all(out[~m] == 0), "padded positions of the output are zero"
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert ops["NonZero"] == 1 and ops["Softmax"] == 1
+
+
+@pytest.mark.parametrize("mha", ["bias", "kpm"])
+@pytest.mark.parametrize("groups", [0, 1, 3])
+def test_fused_attention_groups(mha, groups):
+    feeds = [FEEDS[k] for k in ("right", "left", "no_padding", "batch1", "all_padding_row", "holes")]
+
+    def factory():
+        return _encoder(mha=mha)
+
+    got, _, cmp, model = _check_exact(factory, feeds, attention_groups=groups)
+    assert cmp.worst("max_abs") <= 1e-5, cmp.summary()
+    for f, g in zip(feeds, got):
+        out = g["last_hidden_state"]
+        assert not np.isnan(out).any() and np.all(out[~f["attention_mask"].astype(bool)] == 0)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert ops["MultiHeadAttention"] == max(groups, 1)
+    assert ops["TopK"] == (1 if groups else 0)
+
+
+@pytest.mark.parametrize("mask_layout", ["eln", "raw"])
+def test_fused_embed_and_attention(mask_layout):
+    """EmbedLayerNormalization runs as packed Gathers + LayerNorm; Attention becomes grouped MHA.
+
+    With the 1-D mask_index (right padding by definition) the attention is not grouped: it is split
+    into packed projections + MultiHeadAttention on the unpacked batch.
+    """
+    right = [FEEDS[k] for k in ("right", "no_padding", "batch1", "all_padding_row")]
+    feeds = right if mask_layout == "eln" else right + [FEEDS["left"], FEEDS["holes"]]
+
+    def factory():
+        return _fused_encoder(mask_layout)
+
+    got, _, cmp, model = _check_exact(factory, feeds)
+    assert cmp.worst("max_abs") <= 1e-5, cmp.summary()
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert ops["EmbedLayerNormalization"] == 0 and ops["Attention"] == 0, ops
+    assert ops["MultiHeadAttention"] == (1 if mask_layout == "eln" else 8), ops
+    assert ops["SkipLayerNormalization"] == 2 and ops["BiasGelu"] == 1
+
+
+def test_token_wise_ops_run_packed():
+    model = _encoder()
+    result, p = _apply(model)
+    packed = collections.Counter(n.op_type for n in result.model.graph if n.outputs[0].name.endswith("_packed"))
+    assert {"Gather", "Add", "LayerNormalization", "MatMul", "Erf"} <= set(packed)
+    assert packed["MatMul"] == 6, packed  # Q, K, V, output projection (after attention), FFN x2
+    assert packed["LayerNormalization"] == 3, packed
+    # the attention core is untouched: still Reshape/Transpose on the padded layout
+    assert not any(n.op_type in ("Softmax", "Reshape") and n.outputs[0].name.endswith("_packed")
+                   for n in result.model.graph)
+
+
+def test_position_ids_input_and_opset20_gelu():
+    feeds = [_feed([5, 2, 7], position_ids=True), _feed([3, 6], left=True, position_ids=True, seed=4)]
+
+    def factory():
+        return _encoder(position_ids=True, opset=20)
+
+    _, _, cmp, _ = _check_exact(factory, feeds)
+    assert cmp.worst("max_abs") <= 1e-5, cmp.summary()
+
+
+def test_packed_output():
+    feed = _feed([5, 0, 2, 7], left=True)
+    ref = run(make_session(_encoder(), optimize=False), [feed])[0]["last_hidden_state"]
+    result, p = _apply(_encoder(), packed_output=True)
+    assert result.modified, p.context.notes
+    out = run(make_session(result.model, optimize=False), [feed])[0]["last_hidden_state"]
+    m = feed["attention_mask"].astype(bool)
+    assert out.shape == (int(m.sum()), H)
+    np.testing.assert_allclose(out, ref[m], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("no_mask", "no rank-2 attention mask"),
+    ("pool", "mixes positions outside attention"),
+    ("unmasked_softmax", "does not depend on the attention mask"),
+    ("cls", "selects or shifts positions"),
+])
+def test_refusals(kind, reason):
+    model = {"no_mask": lambda: _encoder(mask=False), "pool": lambda: _encoder(pool=True),
+             "cls": lambda: _encoder(pool="cls"),
+             "unmasked_softmax": lambda: _encoder(mask_in_softmax=False)}[kind]()
+    before = ir.serde.serialize_model(model).SerializeToString()
+    result, p = _apply(model)
+    assert not result.modified
+    assert any(reason in n for n in p.context.notes), p.context.notes
+    assert ir.serde.serialize_model(result.model).SerializeToString() == before, "refusal leaves the graph as it was"
+
+
+def test_second_run_refuses():
+    model = _encoder()
+    assert _apply(model)[0].modified
+    result, p = _apply(model)
+    assert not result.modified and any("packed already" in n for n in p.context.notes), p.context.notes
+
+
+def test_registered_with_options():
+    cls = registry.get("remove-padding")
+    assert cls.exact and cls.options() == {"packed_output": False, "attention_groups": 8}
+
+
+# ------------------------------------------------------------------ MiniLM
+
+def _minilm_feeds():
+    rng = np.random.default_rng(0)
+    feeds = []
+    for left in (False, True):
+        lengths = [23, 5, 1, 17, 9]
+        f = _feed(lengths, left=left, seed=int(left))
+        f["input_ids"] = np.where(f["attention_mask"] == 1, rng.integers(1000, 20000, f["input_ids"].shape), 0)
+        feeds.append(f)
+    return feeds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter,attn", [
+    ("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa"),
+])
+def test_minilm_unfused(minilm, exporter, attn):
+    path = minilm(exporter, attn)
+    feeds = _minilm_feeds()
+    ref = run(make_session(path, optimize=False), feeds)
+    result, p = _apply(ir.load(path))
+    assert result.modified, p.context.notes
+    got = run(make_session(result.model), feeds)
+    cmp = compare(got, ref, feeds)
+    assert cmp.worst("max_abs") <= 1e-4, cmp.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter,attn", [
+    ("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa"),
+])
+def test_minilm_fused(minilm, exporter, attn):
+    if "fuse" not in registry.all_passes(include_hidden=True):
+        pytest.skip("the fuse pass does not exist yet")
+    path = minilm(exporter, attn)
+    feeds = _minilm_feeds()
+    ref = run(make_session(path, optimize=False), feeds)
+    model = ir.load(path)
+    registry.create("fuse")(model)
+    result, p = _apply(model)
+    assert result.modified, p.context.notes
+    ops = collections.Counter(n.op_type for n in result.model.graph)
+    assert ops["EmbedLayerNormalization"] == 0 and ops["Attention"] == 0, ops
+    assert ops["MultiHeadAttention"] == 6 * 8, ops  # 6 layers x 8 length groups
+    got = run(make_session(result.model), feeds)
+    cmp = compare(got, ref, feeds)
+    assert cmp.worst("max_abs") <= 1e-4, cmp.summary()
