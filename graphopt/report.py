@@ -108,9 +108,11 @@ class Report:
         for col in ("pass", "status", "modified", "s", "nodes", "op delta", "verification"):
             t.add_column(col, overflow="fold")
         for p in self.passes:
-            delta = ", ".join(f"{k} {v:+d}" for k, v in sorted(p.op_delta.items(), key=lambda kv: kv[1])[:6])
-            if len(p.op_delta) > 6:
-                delta += f", … ({len(p.op_delta)} ops)"
+            # largest changes first; the domain is dropped for display (the JSON report keeps it)
+            top = sorted(p.op_delta.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:4]
+            delta = " ".join(f"{k.split('::')[-1]}{v:+d}" for k, v in top)
+            if len(p.op_delta) > 4:
+                delta += f" …+{len(p.op_delta) - 4}"
             style = {"ok": "green", "rolled-back": "red", "error": "red", "budget-not-met": "red"}.get(p.status, "")
             t.add_row(
                 p.name,
