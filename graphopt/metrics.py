@@ -2,7 +2,9 @@
 
 Samples are the vectors along an output's last axis (one token's hidden state, one row of logits);
 a rank-0/1 output is a single sample. When the feed has an attention mask ``[batch, seq]`` and an
-output starts with ``[batch, seq, ...]``, samples at padded positions are left out.
+output starts with ``[batch, seq, ...]``, samples at padded positions are left out; an output packed
+to ``[real_tokens, ...]`` (row-major over batch and position) is compared with the reference's real
+tokens.
 
 Metrics (worst over outputs when a model has several):
 ``max_abs``, ``max_rel`` (``|a-b| / max(|b|, 1e-6)``), ``cosine`` (mean over samples),
@@ -106,6 +108,16 @@ def _samples(arr: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     return a.reshape(-1, a.shape[-1])
 
 
+def _is_packed(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None) -> bool:
+    return (
+        mask is not None
+        and ref.ndim == got.ndim + 1
+        and ref.shape[:2] == mask.shape
+        and got.shape[0] == int(np.count_nonzero(mask))
+        and got.shape[1:] == ref.shape[2:]
+    )
+
+
 class _Accumulator:
     def __init__(self, name: str, atol: float, rtol: float):
         self.d = OutputDiff(name)
@@ -118,6 +130,9 @@ class _Accumulator:
     def add(self, got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None) -> None:
         d = self.d
         got, ref = np.asarray(got), np.asarray(ref)
+        if got.shape != ref.shape and _is_packed(got, ref, mask):
+            # packed output [tokens, ...] against padded [batch, seq, ...]: real tokens, row-major
+            ref, mask = ref[mask.astype(bool)], None
         if got.shape != ref.shape:
             d.shape_mismatch = f"{list(got.shape)} vs reference {list(ref.shape)}"
             return

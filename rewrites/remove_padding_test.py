@@ -376,3 +376,16 @@ def test_minilm_fused(minilm, exporter, attn):
     got = run(make_session(result.model), feeds)
     cmp = compare(got, ref, feeds)
     assert cmp.worst("max_abs") <= 1e-4, cmp.summary()
+
+
+@pytest.mark.slow
+def test_packed_output_verified_by_pipeline(minilm):
+    """With packed_output the pipeline compares the [tokens, hidden] output with the real tokens."""
+    from graphopt import pipeline
+
+    res = pipeline.optimize(minilm("dynamo", "sdpa"), passes="remove-padding",
+                            overrides=["remove-padding.packed_output=true"])
+    assert res.ok, [p.error for p in res.report.failed()]
+    out = res.model.graph.outputs[0]
+    assert out.shape is not None and len(out.shape) == 2
+    assert res.report.passes[0].verification["max_abs"] <= 1e-4
