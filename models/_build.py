@@ -72,3 +72,18 @@ def export_cached(src, name: str, *, task: str, exporter: str = "dynamo", attn: 
     result = export(src, out, task=task, exporter=exporter, attn=attn, **kw)
     logger.info("%s: %s, max_abs %.3g", out.name, result.exporter, result.parity.max_abs)
     return out
+
+
+def run_main(body) -> int:
+    """Run a model script's ``body()``; a GraphoptError becomes one error line (and a hint) on stderr."""
+    import sys
+
+    from graphopt.errors import GraphoptError
+
+    try:
+        return body() or 0
+    except GraphoptError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        return e.exit_code

@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from graphopt.errors import GraphoptError
-
-    try:
+    def body() -> int:
         if args.all:
             for e, a in VARIANTS:
                 print(build(e, a, args.cache_dir, args.force))
@@ -83,12 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             _build.place_file(path, args.output)
             path = args.output
         print(path)
-    except GraphoptError as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return e.exit_code
-    return 0
+        return 0
+
+    return _build.run_main(body)
 
 
 if __name__ == "__main__":

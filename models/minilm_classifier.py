@@ -163,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from graphopt.errors import GraphoptError
-
-    try:
+    def body() -> int:
         path = build(args.exporter, args.attn, args.cache_dir, args.force)
         info = json.loads((train_folder(args.cache_dir) / "graphopt_head.json").read_text())
         print(f"sentiment head: test accuracy {info['test_accuracy']:.3f} on {info['test']} held-out sentences",
@@ -173,12 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.output:
             path = _build.place_file(path, args.output)
         print(path)
-    except GraphoptError as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return e.exit_code
-    return 0
+        return 0
+
+    return _build.run_main(body)
 
 
 if __name__ == "__main__":

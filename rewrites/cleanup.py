@@ -25,6 +25,7 @@ from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewritePass
 
 from graphopt.errors import VerificationError
+from graphopt.opsets import default_opset
 from graphopt.registry import GraphoptPass, register
 from graphopt.verify import check_structure
 
@@ -98,7 +99,7 @@ class Cleanup(GraphoptPass):
         self.iterations = iterations
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        opset = default_opset(model)
         if opset >= MIN_RULES_OPSET or not self.fold_constants:
             return self._run(model, self.fold_constants)
         # Below opset 18 onnxscript's folder can emit current-opset forms (e.g. Unsqueeze with an
@@ -123,7 +124,7 @@ class Cleanup(GraphoptPass):
                     output_size_limit=self.fold_output_size_limit,
                 )
             )
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        opset = default_opset(model)
         if self.rewrite_rules and opset >= MIN_RULES_OPSET:
             # onnxscript's rules emit current-opset forms (e.g. Unsqueeze with an axes input)
             loop.append(RewritePass(_DEFAULT_REWRITE_RULES))

@@ -34,6 +34,7 @@ from typing import Any
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from graphopt.opsets import default_opset
 from graphopt.registry import GraphoptPass, register
 
 logger = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ class FusePass(GraphoptPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.optimizer import optimize
 
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        opset = default_opset(model)
         if opset < MIN_OPSET:
             self.context.notes.append(f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is")
             return ir.passes.PassResult(model, modified=False)

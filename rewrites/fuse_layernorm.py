@@ -25,6 +25,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import _ir_utils, pattern
 
+from graphopt.opsets import default_opset
+
 logger = logging.getLogger(__name__)
 
 _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
@@ -56,7 +58,7 @@ class DecomposedLayerNorm(pattern.RewriteRuleClassBase):
         result = pattern.MatchResult()
         model = context.model if context is not None else None
         if model is not None:
-            opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+            opset = default_opset(model)
             if opset < 17:
                 return result.fail(f"opset {opset} < 17 has no LayerNormalization", x)
         if x.dtype not in _TYPES:

@@ -56,6 +56,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.opsets import default_opset
 from graphopt.registry import GraphoptPass, register
 
 from ._packing import GroupIndex, PackIndex, const_ints, probe_labels
@@ -552,7 +553,7 @@ class RemovePadding(GraphoptPass):
         if any(isinstance(d, int) for d in mask.shape.dims):
             return self._refuse(model, f"attention mask {mask.name!r} has a static shape {mask.shape} (batch and "
                                        "sequence must be dynamic to be told apart)")
-        opset = model.opset_imports.get("", 0)
+        opset = default_opset(model)
         if opset < 15:
             return self._refuse(model, f"opset {opset} < 15 (Shape start/end needed)")
         if any(out.name == "packing_row_index" for node in graph for out in node.outputs):
