@@ -16,10 +16,12 @@ Replacements, per target and per format::
     static  (qdq):  x ──Q──DQ──▶ MatMul ◀──DQ(Wq, w_scale, axis=1)   (+ Add bias kept)
     int4:           x ──MatMulNBits(bits=4, block_size, accuracy_level)──▶ y
     embeddings:     Gather(table_q int8, ids) ──DequantizeLinear(scale[H], axis=-1)──▶
+    EmbedLayerNorm: Gather(table_q) ─DQ─ + position rows ─SkipLayerNormalization(+ segment rows)──▶
 
 Weights are per-channel (per output column) symmetric int8. One ``QuantizeLinear`` is shared by all
 consumers of the same activation. Refuses (keeps the node float): non-constant or non-2-D weights,
-Attention with past/extra inputs or ``qkv_hidden_sizes``, QDQ below opset 13.
+Attention with past/extra inputs, rotary width or unequal ``qkv_hidden_sizes`` (equal thirds are
+QAttention's default and are dropped), QDQ below opset 13.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
+
+from graphopt.opsets import default_opset
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class QConfig:
     block_size: int = 32
     accuracy_level: int = 4
     int4_q: tuple[np.ndarray, np.ndarray] | None = None  # GPTQ result: (q uint8 [K,N] in 0..15, scales [nb,N])
+    whole_table_dq: bool = True  # embed_table: dequantize the whole table per run when it cannot be unfused
 
 
 def _const(v: ir.Value | None) -> np.ndarray | None:
@@ -89,6 +94,18 @@ def _is_float(v: ir.Value | None) -> bool:
 
 def _key(node: ir.Node) -> str:
     return node.name or f"{node.op_type}:{node.outputs[0].name}"
+
+
+def _plain_qkv(node: ir.Node, warr: np.ndarray) -> bool:
+    """Attention that QAttention can run: no rotary width, and no ``qkv_hidden_sizes`` beyond equal thirds."""
+    a = node.attributes
+    if "rotary_embedding_dim" in a and a["rotary_embedding_dim"].value:
+        return False
+    if "qkv_hidden_sizes" in a:
+        sizes = list(a["qkv_hidden_sizes"].value)
+        if len(sizes) != 3 or len(set(sizes)) != 1 or sum(sizes) != warr.shape[1]:
+            return False
+    return True
 
 
 def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
@@ -118,7 +135,7 @@ def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
             warr = _const(w)
             if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
                 continue
-            if any(v is not None for v in node.inputs[4:]) or "qkv_hidden_sizes" in node.attributes:
+            if any(v is not None for v in node.inputs[4:]) or not _plain_qkv(node, warr):
                 continue
             if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
                 continue
@@ -197,7 +214,7 @@ class _Builder:
 
     def init(self, base: str, arr: np.ndarray) -> ir.Value:
         name = self.unique(base)
-        t = ir.tensor(np.ascontiguousarray(arr), name=name)
+        t = ir.tensor(np.array(arr, order="C", copy=True), name=name)  # not ascontiguousarray: it makes 0-d 1-d
         v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(t.dtype), const_value=t)
         self.graph.register_initializer(v)
         return v
@@ -276,10 +293,16 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
         if cfg.smooth is not None and t.kind != "gather":
             w = w * cfg.smooth.reshape(-1, 1).astype(np.float32)
         pre = t.key.replace("/", "_")
-        if t.kind == "embed_table":  # fused EmbedLayerNormalization: int8 word table, dequantized at run time
+        if t.kind == "embed_table":  # fused EmbedLayerNormalization: int8 word table
+            if not cfg.whole_table_dq and not _can_unfuse_embed(model, node):
+                continue
             q, s = quantize_weight(w, axis=1)
             qv = b.init(f"{pre}_table_q", q)
             sv = b.init(f"{pre}_table_scale", s)
+            if _unfuse_embed(b, node, qv, sv, pre):
+                bump("EmbedLayerNormalization(int8 gather)")
+                continue
+            # fallback: the whole table dequantized on every run (ORT does not constant-fold DequantizeLinear)
             dq = b.node(node, "DequantizeLinear", [qv, sv], {"axis": 1}, name=f"{pre}_table_dq")
             node.replace_input_with(2, dq.outputs[0])
             bump("EmbedLayerNormalization(int8 table)")
@@ -309,13 +332,16 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
         q, ws = quantize_weight(w, axis=1)
         if t.kind == "attention":
             a = node.attributes
-            attrs = {k: a[k].value for k in ("num_heads", "unidirectional", "do_rotary", "mask_filter_value")
+            # qkv_hidden_sizes (equal thirds only, see find_targets) is QAttention's default split
+            attrs = {k: a[k].value for k in ("num_heads", "unidirectional", "do_rotary", "mask_filter_value", "scale")
                      if k in a}
             xq, xs, xz = _quantize_activation(b, t, cfg, node)
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
             zv = b.init(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8))
-            inputs = [xq, qv, node.inputs[2], xs, sv, node.inputs[3] if len(node.inputs) > 3 else None, xz, zv]
+            bias_v = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] is not None else \
+                b.init(f"{pre}_bias", np.zeros(w.shape[1], np.float32))  # QAttention's bias is required
+            inputs = [xq, qv, bias_v, xs, sv, node.inputs[3] if len(node.inputs) > 3 else None, xz, zv]
             new = b.node(node, "QAttention", inputs, attrs, domain=MS, name=f"{pre}_qattn")
             _replace_output(g, node.outputs[0], new.outputs[0])
             g.remove(node, safe=True)
@@ -361,6 +387,51 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
         if not v.uses() and not v.is_graph_output() and not v.is_graph_input():
             del g.initializers[name]
     return counts
+
+
+def _can_unfuse_embed(model: ir.Model, node: ir.Node) -> bool:
+    if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+        return False
+    if default_opset(model) < 15:
+        return False
+    ins = list(node.inputs) + [None] * (9 - len(node.inputs))
+    return all(v is not None for v in (ins[1], ins[3], ins[4], ins[5]))
+
+
+def _unfuse_embed(b: _Builder, node: ir.Node, qv: ir.Value, sv: ir.Value, pre: str) -> bool:
+    """EmbedLayerNormalization with an int8 word table, without dequantizing the whole table per run::
+
+        ids ─Gather(table_q)─DequantizeLinear(axis=-1)─Add(position rows)─SkipLayerNormalization(+ segment rows)
+
+    Position rows: ``Gather(P, position_ids)``, or ``P[:seq]`` when the node has no position_ids.
+    Refuses (returns False) when the mask_index / embedding_sum outputs are read, below opset 15
+    (Shape with start/end), or without segment ids and table (plain LayerNormalization would do; not needed).
+    """
+    g = b.graph
+    if not _can_unfuse_embed(b.model, node):
+        return False
+    ins = list(node.inputs) + [None] * (9 - len(node.inputs))
+    ids, seg, _, pos_table, seg_table, gamma, beta, _, pos_ids = ins[:9]
+    eps = node.attributes.get_float("epsilon", 1e-12)
+    gq = b.node(node, "Gather", [qv, ids], {"axis": 0}, name=f"{pre}_word_q")
+    word = b.node(node, "DequantizeLinear", [gq.outputs[0], sv], {"axis": -1}, name=f"{pre}_word")
+    if pos_ids is not None:
+        pos = b.node(node, "Gather", [pos_table, pos_ids], {"axis": 0}, name=f"{pre}_pos")
+    else:
+        seq = b.node(node, "Shape", [ids], {"start": 1, "end": 2}, name=f"{pre}_seq")
+        zero = b.init(f"{pre}_zero", np.array([0], np.int64))
+        pos = b.node(node, "Slice", [pos_table, zero, seq.outputs[0], zero], name=f"{pre}_pos")
+    seg_rows = b.node(node, "Gather", [seg_table, seg], {"axis": 0}, name=f"{pre}_seg")
+    add = b.node(node, "Add", [word.outputs[0], pos.outputs[0]], name=f"{pre}_word_pos")
+    inputs = [add.outputs[0], seg_rows.outputs[0], gamma]
+    if beta is not None:
+        inputs.append(beta)
+    ln = b.node(node, "SkipLayerNormalization", inputs, {"epsilon": eps}, domain=MS, name=f"{pre}_ln")
+    _replace_output(g, node.outputs[0], ln.outputs[0])
+    g.remove(node, safe=True)
+    if MS not in b.model.opset_imports:
+        b.model.opset_imports[MS] = 1
+    return True
 
 
 def _int4_node(b: _Builder, t: Target, cfg: QConfig, w: np.ndarray, bias: np.ndarray | None, pre: str) -> ir.Node:

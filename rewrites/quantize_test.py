@@ -140,7 +140,8 @@ def test_static_qdq_loads_on_cpu_and_fuses(encoder):
     res, ctx, feeds = _run(encoder, mode="static", smoothquant="false", mixed=False, format="qdq",
                            calibrator="percentile")
     ops = _ops(res.model)
-    assert ops["QuantizeLinear"] == 3 and ops["DequantizeLinear"] == 6 and ops["MatMul"] == 3
+    # 3 activations + 3 weights + the int8 embedding rows (embeddings=auto)
+    assert ops["QuantizeLinear"] == 3 and ops["DequantizeLinear"] == 7 and ops["MatMul"] == 3
     assert ops["Attention"] == 1  # no QDQ Attention fusion in ORT: kept float
     runtime.make_session(res.model)  # loads on CPU
     note = next(n for n in ctx.notes if "integer ops" in n)
@@ -260,3 +261,55 @@ def test_cuda_qdq_s8():
     res, ctx, feeds = _run(_encoder(), provider="cuda")
     q = [n for n in res.model.graph if n.op_type == "QuantizeLinear"]
     assert q and all(n.inputs[2].dtype == ir.DataType.INT8 for n in q)
+
+
+def test_after_fuse_on_tiny_bert(tmp_path):
+    """cleanup,fuse,quantize through the pipeline on the seeded tiny BERT (dynamo): the fused Attention
+    (2-D mask, equal ``qkv_hidden_sizes``) becomes QAttention, every MatMul an integer op (int4: the
+    EmbedLayerNormalization word table int8), and the result passes the pipeline's structure check
+    (ONNX checker with shape inference) and budget."""
+    pytest.importorskip("torch", reason="torch is needed to export the tiny models")
+    from conftest import load_models_module
+    from graphopt import pipeline
+
+    path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
+    rng = np.random.default_rng(0)
+    feeds = []
+    for _ in range(6):
+        lens = rng.integers(3, 17, size=4)
+        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
+        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
+                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
+    names = {v.name for v in ir.load(path).graph.inputs}
+    feeds = [{k: v for k, v in f.items() if k in names} for f in feeds]
+    for mode, want in (("static", "MatMulIntegerToFloat"), ("dynamic", "DynamicQuantizeMatMul"), ("int4", "MatMulNBits")):
+        result = pipeline.optimize(str(path), passes="cleanup,fuse,quantize", feeds=feeds,
+                                   overrides=[f"quantize.mode={mode}", "quantize.mixed=false"],
+                                   budget="cosine>=0.99", require_budget=True)
+        assert result.ok, result.report.passes[-1].error
+        ops = _ops(result.model)
+        assert ops["QAttention"] == 2 and ops["Attention"] == 0, ops
+        assert ops[want] == 6 and ops["MatMul"] == 0, ops
+        if mode == "int4":  # int8 word table, gathered then dequantized (no whole-table DequantizeLinear)
+            assert ops["EmbedLayerNormalization"] == 0 and ops["Gather"] == 2, ops
+            table = next(n for n in result.model.graph if n.op_type == "Gather").inputs[0]
+            assert table.dtype == ir.DataType.INT8 and table.shape[0] == 1000
+
+
+def test_int4_sensitive_layers_fall_back_to_int8(encoder):
+    # all-int4 RTN reaches cosine ~0.990 here (GPTQ meets 0.995 alone): the ladder moves the most sensitive layers to int8, not float
+    res, ctx, feeds = _run(encoder, budget="cosine>=0.995", mode="int4", int4_method="rtn")
+    assert res.modified
+    rc = ctx.rule_counts
+    assert rc.get("quantize-int4-as-int8", 0) >= 1 and rc["quantize-kept-float"] == 0, (rc, ctx.notes)
+    ops = _ops(res.model)
+    assert ops["MatMul"] == 0 and ops["MatMulNBits"] + ops["DynamicQuantizeMatMul"] == 3
+    _check_budget(encoder, res.model, feeds, "cosine>=0.995")
+
+
+def test_local_sensitivity_ranks_without_sessions(encoder):
+    res, ctx, feeds = _run(encoder, budget="cosine>=0.99995", mode="dynamic", smoothquant="false",
+                           sensitivity="local")
+    assert any(n.startswith("sensitivity") for n in ctx.notes)
+    if res.modified:
+        _check_budget(encoder, res.model, feeds, "cosine>=0.99995")

@@ -1,20 +1,25 @@
 #!/usr/bin/env python
 """Quantization benchmark on MiniLM: ORT's quantizers against graphopt's ``quantize`` pass.
 
-Variants (all from the ORT-transformers-optimizer fused MiniLM, the stand-in for graphopt's ``fuse``):
-fp32 fused; ORT ``quantize_dynamic`` per-tensor and per-channel; ORT ``quantize_static`` (QDQ);
-graphopt ``quantize`` default (auto: finds the configuration itself), dynamic, static without
-SmoothQuant, and int4 (MatMulNBits, accuracy_level 4).
+Variants, all from one fp32 fused MiniLM (``--source graphopt``, the default: ``cleanup,fuse`` of
+graphopt on the ``--exporter`` export; ``--source ort``: ORT's transformers optimizer on the TorchScript
+eager export): fp32 fused; ORT ``quantize_dynamic`` per-tensor and per-channel; ORT ``quantize_static``
+(QDQ); graphopt ``quantize`` default (auto: finds the configuration itself), dynamic, static without
+SmoothQuant, static with SmoothQuant, and int4 (MatMulNBits, accuracy_level 4, int8 embeddings).
+ORT's quantizers get the fused model with ``qkv_hidden_sizes`` of equal thirds removed (the default
+split; ORT's QAttention has no such attribute and its quantizer copies it over).
 
-Sentences come from ``tools/workload.py``: the first ``--calib`` are the calibration part, the rest
-are held back. Accuracy is the cosine of sentence embeddings (mean-pooled last_hidden_state over real
+Sentences come from ``tools/workload.py``: the first ``--calib`` are the calibration part (graphopt,
+like ``graphopt optimize --calib``, calibrates on its first half and confirms the budget on the
+second; ORT's static quantizer calibrates on all of it), the rest are held back for the table only. Accuracy is the cosine of sentence embeddings (mean-pooled last_hidden_state over real
 tokens, as sentence-transformers does) against the fp32 PyTorch model on the held-back sentences.
 Speed: batch 32 in random order, every variant loaded in one process and run round-robin, spinning
-off, 1 thread (``graphopt.bench.bench_models``).
+off, 1 thread, timed by the calling thread's CPU time by default (``--clock cpu``, as
+``tools/bench_fusion.py``: waiting for a core held by other jobs is not counted).
 
 Usage::
 
-    python tools/bench_quant.py [-n 400] [--calib 128] [--rounds 6] [--json out.json]
+    python tools/bench_quant.py [-n 400] [--calib 192] [--rounds 6] [--clock cpu] [--h2h-rounds 16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,14 +61,51 @@ def _cosines(got: list[np.ndarray], ref: list[np.ndarray]) -> np.ndarray:
     return (g * r).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(r, axis=1))
 
 
+def _bench(paths: dict[str, Path], feeds: list[dict[str, np.ndarray]], rounds: int, clock: str) -> list[dict]:
+    """Round-robin over the models (order rotating), every held-back batch per turn; median per model.
+
+    ``clock='cpu'``: the calling thread's CPU time (with one intra-op thread ORT runs every kernel on
+    it, so time spent waiting for a core taken by other jobs is not counted); ``wall``: wall time.
+    """
+    from graphopt import runtime
+
+    tick = time.thread_time if clock == "cpu" else time.perf_counter
+    sessions = {n: runtime.make_session(str(p), threads=1, optimize=True, spinning=False) for n, p in paths.items()}
+    prepared = {}
+    for n, sess in sessions.items():
+        wanted = {i.name for i in sess.get_inputs()}
+        prepared[n] = [{k: v for k, v in f.items() if k in wanted} for f in feeds]
+    names = list(sessions)
+    for n in names:  # warm-up
+        for f in prepared[n]:
+            sessions[n].run(None, f)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            t0 = tick()
+            for f in prepared[n]:
+                sessions[n].run(None, f)
+            times[n].append(tick() - t0)
+    items = sum(f["input_ids"].shape[0] for f in feeds)
+    return [{"name": n, "p50": float(np.median(times[n])), "throughput": items / float(np.median(times[n]))}
+            for n in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=400, help="sentences in all")
-    ap.add_argument("--calib", type=int, default=128, help="sentences for calibration (the rest are held back)")
+    ap.add_argument("--calib", type=int, default=192,
+                    help="calibration sentences (graphopt: half to calibrate, half to confirm; the rest are held back)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--out", help="folder for the quantized models (default: a temp folder)")
+    ap.add_argument("--source", choices=("graphopt", "ort"), default="graphopt", help="who fuses the fp32 model")
+    ap.add_argument("--exporter", default="dynamo-sdpa", help="MiniLM export for --source graphopt")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="thread CPU time or wall time")
+    ap.add_argument("--h2h-rounds", type=int, default=0,
+                    help="then bench fp32, ORT dynamic per-channel and graphopt default alone for this many rounds")
+    ap.add_argument("--only", default="", help="comma-separated substrings: bench only matching variants")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -82,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     from onnxruntime.transformers.optimizer import optimize_model
 
     from graphopt import io, runtime
-    from graphopt.bench import bench_models
     from graphopt.metrics import parse_budget
     from graphopt.registry import PassContext
     from graphopt.rewrites.quantize import DEFAULT_BUDGET, QuantizePass
@@ -97,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     sentences = [sentences[i] for i in rng.permutation(len(sentences))]  # random arrival order
     calib = _batches(tok, sentences[: args.calib])
     held = _batches(tok, sentences[args.calib:])
-    confirm = held[: max(1, len(held) // 3)]  # the pass confirms its budget on part of the held-back set
+    # as `graphopt optimize --calib DIR` does: the pass calibrates on the first half of the calibration
+    # batches and confirms its budget on the second; the held-back batches are used by nothing but the table
+    k = max(1, len(calib) // 2)
+    calib_part, confirm = calib[:k], calib[k:] or calib
 
     # fp32 PyTorch reference sentence embeddings on the held-back batches
     model = transformers.AutoModel.from_pretrained(src).eval()
@@ -106,13 +150,31 @@ def main(argv: list[str] | None = None) -> int:
                      f["attention_mask"]) for f in held]
 
     fused = out / "fp32-fused.onnx"
-    optimize_model(str(minilm.build("torchscript", "eager")), model_type="bert", num_heads=12,
-                   hidden_size=384).save_model_to_file(str(fused))
-    paths: dict[str, Path] = {"fp32 fused (ORT optimizer)": fused}
+    if args.source == "ort":
+        optimize_model(str(minilm.build("torchscript", "eager")), model_type="bert", num_heads=12,
+                       hidden_size=384).save_model_to_file(str(fused))
+        fp_name = "fp32 fused (ORT optimizer, torchscript eager)"
+    else:
+        from graphopt.pipeline import optimize
+
+        exporter, attn = args.exporter.split("-")
+        res = optimize(minilm.build(exporter, attn), passes="cleanup,fuse", verify_level="structure")
+        io.save(res.model, fused)
+        fp_name = f"fp32 fused (graphopt fuse, {args.exporter})"
+    # ORT's quantizers copy Attention attributes onto QAttention, which has no qkv_hidden_sizes
+    ort_in = out / "fp32-fused-for-ort.onnx"
+    proto = onnx.load(str(fused))
+    for n in proto.graph.node:
+        keep = [a for a in n.attribute if not (n.op_type == "Attention" and a.name == "qkv_hidden_sizes"
+                                              and len(set(a.ints)) == 1)]
+        del n.attribute[:]
+        n.attribute.extend(keep)
+    onnx.save(proto, str(ort_in))
+    paths: dict[str, Path] = {fp_name: fused}
     fp_opts = {"DefaultTensorType": onnx.TensorProto.FLOAT}
     for pc in (False, True):
         p = out / f"ort-dynamic-{'pc' if pc else 'pt'}.onnx"
-        quantize_dynamic(str(fused), str(p), per_channel=pc, weight_type=QuantType.QInt8, extra_options=fp_opts)
+        quantize_dynamic(str(ort_in), str(p), per_channel=pc, weight_type=QuantType.QInt8, extra_options=fp_opts)
         paths[f"ORT quantize_dynamic per-{'channel' if pc else 'tensor'}"] = p
 
     class _Reader(CalibrationDataReader):
@@ -123,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             return next(self.it, None)
 
     p = out / "ort-static-qdq.onnx"
-    quantize_static(str(fused), str(p), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+    quantize_static(str(ort_in), str(p), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, extra_options=fp_opts)
     paths["ORT quantize_static QDQ per-channel"] = p
 
@@ -133,14 +195,18 @@ def main(argv: list[str] | None = None) -> int:
         "graphopt dynamic": {"mode": "dynamic", "smoothquant": "false"},
         "graphopt static (no SmoothQuant)": {"mode": "static", "smoothquant": "false"},
         "graphopt static + SmoothQuant": {"mode": "static", "smoothquant": "true"},
-        "graphopt int4 (RTN, acc 4)": {"mode": "int4", "accuracy_level": 4},
+        "graphopt int4 (GPTQ, acc 4)": {"mode": "int4", "accuracy_level": 4},
+        "graphopt int4 (RTN, acc 4)": {"mode": "int4", "accuracy_level": 4, "int4_method": "rtn"},
     }
     budget = parse_budget(DEFAULT_BUDGET)
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    if only:
+        variants = {k: v for k, v in variants.items() if any(o in k for o in only)}
     for name, opts in variants.items():
         t0 = time.perf_counter()
         m = io.load(fused)
         qp = QuantizePass(sensitivity_feeds=1, **opts)
-        qp.context = PassContext(provider="cpu", calib_feeds=calib, feeds=confirm, budget=budget)
+        qp.context = PassContext(provider="cpu", calib_feeds=calib_part, feeds=confirm, budget=budget)
         res = qp(m)
         notes[name] = [f"{time.perf_counter() - t0:.0f}s; modified={res.modified}", *qp.context.notes]
         p = out / (name.replace(" ", "_").replace("(", "").replace(")", "").replace(":", "").replace(",", "")
@@ -158,17 +224,30 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in out.glob(p.name + "*"))
         rows.append({"variant": name, "size_mb": size / 1e6, "cosine_mean": float(cos.mean()),
                      "cosine_min": float(cos.min())})
-    res = bench_models({n: str(p) for n, p in paths.items()}, held, rounds=args.rounds)
-    base = res[0].p50
-    ort_pc = res[list(paths).index("ORT quantize_dynamic per-channel")].p50
+    res = _bench(paths, held, args.rounds, args.clock)
+    base = res[0]["p50"]
+    ort_pc = res[list(paths).index("ORT quantize_dynamic per-channel")]["p50"]
     for row, r in zip(rows, res):
-        row.update(sentences_per_s=r.throughput, vs_fp32=base / r.p50, vs_ort_per_channel=ort_pc / r.p50)
+        row.update(sentences_per_s=r["throughput"], vs_fp32=base / r["p50"], vs_ort_per_channel=ort_pc / r["p50"])
+    print(f"clock: {args.clock}; {args.rounds} rounds of {len(held)} held-back batches")
     print("| variant | sentences/s | × fp32 | × ORT dyn per-channel | size MB | cosine mean | cosine min |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['variant']} | {row['sentences_per_s']:.1f} | {row['vs_fp32']:.2f} | "
               f"{row['vs_ort_per_channel']:.2f} | {row['size_mb']:.1f} | {row['cosine_mean']:.4f} | "
               f"{row['cosine_min']:.4f} |")
+    if args.h2h_rounds:  # fewer models per round: less drift between them on a shared machine
+        h2h = [n for n in paths if n.startswith("fp32") or n in ("ORT quantize_dynamic per-channel",
+                                                               "graphopt quantize (default: auto)")]
+        res2 = _bench({n: paths[n] for n in h2h}, held, args.h2h_rounds, args.clock)
+        base2, ort2 = res2[0]["p50"], res2[1]["p50"]
+        print(f"\nhead-to-head ({args.h2h_rounds} rounds):")
+        for r in res2:
+            print(f"  {r['name']}: {r['throughput']:.1f} sentences/s, x{base2 / r['p50']:.2f} fp32, "
+                  f"x{ort2 / r['p50']:.2f} ORT dynamic per-channel")
+        rows.append({"head_to_head": [{"variant": r["name"], "sentences_per_s": r["throughput"],
+                                       "vs_fp32": base2 / r["p50"], "vs_ort_per_channel": ort2 / r["p50"]}
+                                      for r in res2]})
     for name, ns in notes.items():
         print(f"\n{name}:\n  " + "\n  ".join(ns))
     if args.json:
