@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -44,11 +42,9 @@ def _concrete_proto(model: ir.Model, batch: int, seq: int) -> onnx.ModelProto:
                 d.dim_value = max(val, 1)
     del proto.graph.value_info[:]
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        from graphopt.shapes import symbolic_infer
 
-        # it saves a temp model into the current folder when inference is incomplete: not the user's
-        with tempfile.TemporaryDirectory() as d, contextlib.chdir(d):
-            return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=True)
+        return symbolic_infer(proto, auto_merge=True, guess_output_rank=True)
     except Exception as e:  # fall back to ONNX's inference (does not know contrib ops)
         logger.info("symbolic shape inference failed (%s); using onnx shape inference", e)
         return onnx.shape_inference.infer_shapes(proto, data_prop=True)

@@ -124,15 +124,18 @@ def optimize(
 
     reference = None
     if verify_level != "off":
-        check_structure(model, where=f"input model {src or ''}".strip())
-    if verify_level == "numeric":
-        try:
-            reference = run_model(model, all_feeds, provider="cpu")
-        except RuntimeSetupError as e:
-            raise VerificationError(
-                f"cannot verify numerically: {e.message}",
-                hint="the input model does not run in ONNX Runtime; use --verify structure or off",
-            ) from None
+        with io.materialize(model) as proto:
+            # one serialization for the checker and the reference session
+            data = proto.SerializeToString() if not isinstance(proto, str) else None
+            check_structure(proto, where=f"input model {src or ''}".strip(), serialized=data)
+            if verify_level == "numeric":
+                try:
+                    reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
+                except RuntimeSetupError as e:
+                    raise VerificationError(
+                        f"cannot verify numerically: {e.message}",
+                        hint="the input model does not run in ONNX Runtime; use --verify structure or off",
+                    ) from None
 
     good = model
     prev_out = reference

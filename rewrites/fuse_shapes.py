@@ -44,14 +44,12 @@ def _dims(vi) -> list[int | str | None] | None:
 
 def annotate_symbolic_shapes(model: ir.Model) -> str | None:
     """Write ONNX Runtime's symbolic shapes onto ``model``'s values; return a reason on failure."""
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    except ImportError as e:  # pragma: no cover - onnxruntime is a dependency
-        return f"onnxruntime symbolic shape inference unavailable: {e}"
+    from graphopt.shapes import symbolic_infer
+
     proto = ir.serde.serialize_model(model)
     del proto.graph.value_info[:]
     try:
-        inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
+        inferred = symbolic_infer(proto, auto_merge=True, guess_output_rank=False)
     except Exception as e:  # noqa: BLE001 - any failure means: keep ONNX's shapes
         return f"symbolic shape inference failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
     if inferred is None:
