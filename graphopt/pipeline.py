@@ -21,9 +21,10 @@ import onnx_ir as ir
 from graphopt import PASS_TAG, io, registry
 from graphopt import feeds as feeds_mod
 from graphopt import recipe as recipe_mod
-from graphopt.errors import GraphoptError, RuntimeSetupError, VerificationError
+from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, parse_budget
 from graphopt.report import PassRecord, Report, count_nodes, op_delta, op_histogram
+from graphopt.runtime import PROVIDERS
 from graphopt.verify import check_level, check_structure, run_model, verify
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,13 @@ def optimize(
     """
     t_start = time.perf_counter()
     check_level(verify_level)
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r}", hint="use " + " or ".join(PROVIDERS))
+    if provider == "cuda":
+        from graphopt.runtime import cuda_available
+
+        ok, why = cuda_available()
+        logger.warning("passes target CUDA; verification runs on CPU%s", "" if ok else f" (no CUDA here: {why})")
     if not isinstance(budget, Budget):
         budget = parse_budget(budget)
     if recipe is None:

@@ -155,3 +155,10 @@ def test_bad_calib_folder(run_cli, mlp_path, tmp_path):
 def test_debug_shows_traceback(run_cli, tmp_path):
     code, _, err = run_cli("--debug", "optimize", tmp_path / "nope.onnx", "-o", tmp_path / "o.onnx")
     assert code == ERROR and "Traceback" in err
+
+
+def test_unknown_provider(run_cli, mlp_path, tmp_path):
+    out = tmp_path / "out.onnx"
+    code, _, err = run_cli("optimize", mlp_path, "-o", out, "--provider", "tpu")
+    _assert_clean(code, err, USAGE, out, {mlp_path: mlp_path.read_bytes()})
+    assert "unknown provider 'tpu'" in err and "cpu or cuda" in err
