@@ -418,14 +418,25 @@ def _has_subgraphs(graph: ir.Graph) -> bool:
 
 
 def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: list) -> list:
-    """Packed EmbedLayerNormalization as Gathers + Add + LayerNormalization: [output, None, embedding_sum]."""
+    """Packed EmbedLayerNormalization as Gathers + SkipLayerNormalization: [output, None, embedding_sum].
+
+    The last embedding term is the SkipLayerNormalization's skip input, so the packed graph stays
+    fused. When the embedding sum (third output) is read, Add + LayerNormalization keep it explicit.
+    """
     ids, seg, word, pos_table, seg_table, gamma, beta = (list(inputs) + [None] * 7)[:7]
     pos_ids = inputs[8] if len(inputs) > 8 and inputs[8] is not None else index.idx_s
-    total = tape.op("Add", [tape.op("Gather", [word, ids]), tape.op("Gather", [pos_table, pos_ids])])
+    x = tape.op("Gather", [word, ids])
+    skip = tape.op("Gather", [pos_table, pos_ids])
     if seg is not None and seg_table is not None:
-        total = tape.op("Add", [total, tape.op("Gather", [seg_table, seg])])
-    eps = _attr(node, "epsilon", 1e-12)
-    out = tape.op("LayerNormalization", [total, gamma, beta], {"axis": -1, "epsilon": float(eps)})
+        x, skip = tape.op("Add", [x, skip]), tape.op("Gather", [seg_table, seg])
+    eps = float(_attr(node, "epsilon", 1e-12))
+    sum_out = node.outputs[2] if len(node.outputs) > 2 else None
+    if sum_out is not None and (sum_out.uses() or sum_out.is_graph_output()):
+        total = tape.op("Add", [x, skip])
+        out = tape.op("LayerNormalization", [total, gamma, beta], {"axis": -1, "epsilon": eps})
+    else:
+        total = None
+        out = tape.op("SkipLayerNormalization", [x, skip, gamma, beta], {"epsilon": eps}, domain=_MS)
     outs: list = [out, None, total]
     return outs[: len(node.outputs)]
 

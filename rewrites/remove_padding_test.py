@@ -263,7 +263,9 @@ def test_fused_embed_and_attention(mask_layout):
     ops = collections.Counter(n.op_type for n in model.graph)
     assert ops["EmbedLayerNormalization"] == 0 and ops["Attention"] == 0, ops
     assert ops["MultiHeadAttention"] == (1 if mask_layout == "eln" else 8), ops
-    assert ops["SkipLayerNormalization"] == 2 and ops["BiasGelu"] == 1
+    # the layer's two, plus the packed embeddings' LayerNorm (EmbedLayerNormalization split)
+    assert ops["SkipLayerNormalization"] == 3 and ops["BiasGelu"] == 1
+    assert ops["LayerNormalization"] == 0, ops
 
 
 def test_token_wise_ops_run_packed():
