@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING)
+    from graphopt.bench import bench_sessions
     from graphopt.runtime import make_session
 
     exports = EXPORTS if args.exports == "all" else [tuple(e.split("-")) for e in args.exports.split(",")]
@@ -125,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     pad = 1 - b32.sum() / (b32.size * b32.max())
     print(f"batch 32: lengths {int(b32.min())}-{int(b32.max())}, median {int(np.median(b32))}, "
           f"padded to {int(b32.max())} ({pad:.0%} padding)")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     sessions: dict[tuple[str, str], object] = {}
     ops: dict[tuple[str, str], str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-fusion-") as tmp:
@@ -142,14 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("%s %s ready in %.1fs", *key, time.perf_counter() - t)
         times: dict[str, dict[tuple[str, str], list[float]]] = {"1x128": {}, "b32": {}}
         for wl, rounds in (("1x128", args.rounds_1x128), ("b32", args.rounds_b32)):
-            feed = feeds[wl]
-            for sess in sessions.values():  # warm-up
-                sess.run(None, feed)
-            for _ in range(rounds):
-                for key, sess in sessions.items():
-                    t = clock()
-                    sess.run(None, feed)
-                    times[wl].setdefault(key, []).append(clock() - t)
+            by_name = {f"{e} {k}": sess for (e, k), sess in sessions.items()}
+            results = bench_sessions(by_name, [feeds[wl]], rounds=rounds, warmup=1, clock=args.clock)
+            for key, res in zip(sessions, results, strict=True):
+                times[wl][key] = res.round_seconds
     rows = []
     for key in sessions:
         exp, kind = key

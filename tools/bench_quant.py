@@ -62,33 +62,13 @@ def _cosines(got: list[np.ndarray], ref: list[np.ndarray]) -> np.ndarray:
 
 
 def _bench(paths: dict[str, Path], feeds: list[dict[str, np.ndarray]], rounds: int, clock: str) -> list[dict]:
-    """Round-robin over the models (order rotating), every held-back batch per turn; median per model.
-
-    ``clock='cpu'``: the calling thread's CPU time (with one intra-op thread ORT runs every kernel on
-    it, so time spent waiting for a core taken by other jobs is not counted); ``wall``: wall time.
-    """
+    """Round-robin over the models (``graphopt.bench``), every held-back batch per turn; median per model."""
     from graphopt import runtime
+    from graphopt.bench import bench_sessions
 
-    tick = time.thread_time if clock == "cpu" else time.perf_counter
     sessions = {n: runtime.make_session(str(p), threads=1, optimize=True, spinning=False) for n, p in paths.items()}
-    prepared = {}
-    for n, sess in sessions.items():
-        wanted = {i.name for i in sess.get_inputs()}
-        prepared[n] = [{k: v for k, v in f.items() if k in wanted} for f in feeds]
-    names = list(sessions)
-    for n in names:  # warm-up
-        for f in prepared[n]:
-            sessions[n].run(None, f)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            t0 = tick()
-            for f in prepared[n]:
-                sessions[n].run(None, f)
-            times[n].append(tick() - t0)
-    items = sum(f["input_ids"].shape[0] for f in feeds)
-    return [{"name": n, "p50": float(np.median(times[n])), "throughput": items / float(np.median(times[n]))}
-            for n in names]
+    results = bench_sessions(sessions, feeds, rounds=rounds, warmup=1, clock=clock)
+    return [{"name": r.name, "p50": r.p50, "throughput": r.throughput} for r in results]
 
 
 def main(argv: list[str] | None = None) -> int:
