@@ -1,6 +1,8 @@
 """Is a model fully fused? Counts attention blocks, LayerNorms and GELUs, fused and not.
 
-Used by ``graphopt inspect``. A site counts as *fused* when it is one ONNX Runtime kernel:
+Used by ``graphopt inspect``. A site counts as *fused* when it is one ONNX Runtime kernel, or, for a
+residual LayerNorm on CPU, ``Sum`` + ``LayerNormalization`` (two kernels, but 4x faster there than ORT's
+scalar CPU ``SkipLayerNormalization``; ORT's own optimizer does not turn a ``Sum`` back into it):
 
 =========== ======================================================= ==========================================
 kind        fused                                                   left unfused
@@ -8,10 +10,12 @@ kind        fused                                                   left unfused
 attention   Attention, MultiHeadAttention, GroupQueryAttention,     every Softmax fed (through scale/mask
             PackedAttention, PackedMultiHeadAttention,               ops) by a MatMul; an onnxscript SDPA
             SparseAttention, DecoderMaskedMultiHeadAttention        placeholder
-layer_norm  (Skip)(Simplified)LayerNormalization contrib ops,       ONNX LayerNormalization fed by an Add
-            EmbedLayerNormalization, ONNX LayerNormalization         (a residual that SkipLayerNorm would
-            not fed by an Add                                        absorb); ReduceMean of a square/Pow
-                                                                    (decomposed LayerNorm or RMSNorm)
+layer_norm  (Skip)(Simplified)LayerNormalization contrib ops,       ONNX LayerNormalization (or ORT's
+            EmbedLayerNormalization, ONNX LayerNormalization (or     SimplifiedLayerNormalization) fed by
+            ORT's SimplifiedLayerNormalization, which ORT puts in    an Add (a residual that SkipLayerNorm
+            the ONNX domain) not fed by an Add: in particular fed    would absorb); ReduceMean of a
+            by a Sum, ``fuse``'s CPU form of a residual LayerNorm    square/Pow (decomposed LayerNorm or
+            (see rewrites/fuse_residual_norm.py)                     RMSNorm)
 gelu        Gelu, FastGelu, BiasGelu, QuickGelu (contrib or ONNX)   Erf, Tanh (the decomposed forms)
 rotary      com.microsoft RotaryEmbedding                           onnxscript's RotaryEmbedding placeholder
                                                                     (domain ``ai.onnxruntime._fusion``, a
@@ -120,7 +124,7 @@ def fusion_status(model: ir.Model) -> dict:
             unfused("attention", node)
         elif op in _NORM_OPS and node.domain == "com.microsoft":
             kinds["layer_norm"]["fused"] += 1
-        elif op in ("LayerNormalization", "RMSNormalization") and node.domain == "":
+        elif op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization") and node.domain == "":
             src = node.inputs[0].producer() if node.inputs[0] is not None else None
             if src is not None and src.op_type == "Add" and src.domain == "":
                 unfused("layer_norm", node)

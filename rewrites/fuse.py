@@ -6,6 +6,9 @@ it (every refusal has a reason, shown by ``--explain fuse``) and rewrites it wit
 
     ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add ──▶ LayerNormalization (see fuse_layernorm)
     LayerNormalization(Add(x, skip [+ bias]))          ──▶ SkipLayerNormalization
+                                                       ──▶ on CPU: Sum(x, skip[, bias]) + LayerNormalization
+                                                           (ORT's CPU SkipLayerNormalization kernel is 4x
+                                                           slower; see fuse_residual_norm; option skip_norm)
     x*0.5*(1+Erf(x/sqrt2))  /  tanh form               ──▶ Gelu / FastGelu (tanh: see fuse_gelu_tanh)
     Gelu(Add(MatMul(x, W), b))                         ──▶ BiasGelu(MatMul(x, W), b)
     Reshape/Transpose(q,k,v) ─ MatMul ─ scale ─ (+mask) ─ Softmax ─ [IsNaN/Where] ─ MatMul ─ Transpose/Reshape
@@ -97,6 +100,7 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
     from graphopt.rewrites.fuse_gelu_tanh import tanh_gelu_rules
     from graphopt.rewrites.fuse_layernorm import layer_norm_rules, layer_norm_scale_rules
     from graphopt.rewrites.fuse_mask_index import MaskIndexStep
+    from graphopt.rewrites.fuse_residual_norm import ResidualNormStep
     from graphopt.rewrites.fuse_rotary_cache import rotary_cache_rules
 
     def cse(model):
@@ -149,7 +153,16 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
     if opts.attention:
         # an SDPA left without a MultiHeadAttention form is expanded into MultiHeadAttention + reshapes
         steps.append(("sdpa_via_mha", sdpa_via_mha._rules))
+    if opts.layer_norm and _sum_form(opts):
+        steps.append(("residual_norm", ResidualNormStep()))
     return steps
+
+
+def _sum_form(opts: FusePass) -> bool:
+    """Whether residual LayerNorms end as Sum + LayerNormalization (CPU) or SkipLayerNormalization."""
+    if opts.skip_norm == "auto":
+        return opts.context.provider != "cuda"
+    return opts.skip_norm == "sum"
 
 
 class _ThenInferShapes:
@@ -223,12 +236,16 @@ class FusePass(GraphoptPass):
         rotary: bool = True,
         mask_index: bool = True,
         gqa: bool = False,
+        skip_norm: str = "auto",
     ):
         super().__init__()
-        if gelu not in ("auto", "off"):
-            from graphopt.errors import UsageError
+        from graphopt.errors import UsageError
 
+        if gelu not in ("auto", "off"):
             raise UsageError(f"fuse.gelu must be 'auto' or 'off', got {gelu!r}")
+        if skip_norm not in ("auto", "fused", "sum"):
+            raise UsageError(f"fuse.skip_norm must be 'auto', 'fused' or 'sum', got {skip_norm!r}",
+                             hint="auto: Sum + LayerNormalization for cpu, SkipLayerNormalization for cuda")
         self.attention = attention
         self.layer_norm = layer_norm
         self.gelu = gelu
@@ -236,6 +253,7 @@ class FusePass(GraphoptPass):
         self.rotary = rotary
         self.mask_index = mask_index
         self.gqa = gqa
+        self.skip_norm = skip_norm
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.optimizer import optimize

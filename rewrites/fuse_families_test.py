@@ -2,14 +2,18 @@
 
 What is fused today (dynamo exports):
 
-- BERT-like: fully fused (2 Attention with the 2-D mask_index, 4 SkipLayerNorm, 2 BiasGelu, EmbedLayerNorm).
-- GPT-2-like with past: 2 MultiHeadAttention (past/present), 4 SkipLayerNorm, 2 FastGelu (tanh GELU).
+- BERT-like: fully fused (2 Attention with the 2-D mask_index, 4 residual LayerNorms, 2 BiasGelu, EmbedLayerNorm).
+- GPT-2-like with past: 2 MultiHeadAttention (past/present), 4 residual LayerNorms, 2 FastGelu (tanh GELU).
   Not fused: the first LayerNorm, fed by the embedding sum ``wte + wpe``, which is also the first
   residual (SkipLayerNormalization's rule refuses a sum used elsewhere).
-- Llama-like with past: SimplifiedLayerNorm + 4 SkipSimplifiedLayerNorm, 4 RotaryEmbedding (run-time
+- Llama-like with past: SimplifiedLayerNorm + 4 residual SimplifiedLayerNorms, 4 RotaryEmbedding (run-time
   cos/sin cache, see fuse_rotary_cache), 2 MultiHeadAttention. Not used: GroupQueryAttention (option
   ``gqa``, off by default: it replaces the mask by per-row lengths, exact only for right padding), so K/V
   heads stay expanded (Expand/Reshape) for MultiHeadAttention; ``--explain`` says so.
+
+On the CPU provider (the default here) each residual LayerNorm is ``Sum`` + ``(Simplified)LayerNormalization``
+rather than ``Skip(Simplified)LayerNormalization`` (see fuse_residual_norm); the ``_cuda`` test checks the
+fused form.
 """
 
 from __future__ import annotations
@@ -49,8 +53,8 @@ def _fuse(path):
 
 def test_bert_fully_fused(tiny):
     model, ops, _, err = _fuse(tiny("bert", "feature-extraction"))
-    want = {"Attention": 2, "SkipLayerNormalization": 4, "BiasGelu": 2, "EmbedLayerNormalization": 1}
-    assert {k: ops[k] for k in want} == want, ops
+    want = {"Attention": 2, "Sum": 4, "LayerNormalization": 4, "BiasGelu": 2, "EmbedLayerNormalization": 1}
+    assert dict(ops) == {**want, "MatMul": 6, "Cast": 3}, ops
     assert ops["Softmax"] == 0 and ops["Where"] == 0  # the mask subgraph is gone: 2-D mask_index
     att = next(n for n in model.graph if n.op_type == "Attention")
     assert att.inputs[3] is not None and att.inputs[3].shape.rank() == 2
@@ -60,7 +64,8 @@ def test_bert_fully_fused(tiny):
 
 def test_gpt2_with_past(tiny):
     model, ops, notes, err = _fuse(tiny("gpt2", "causal-lm-with-past"))
-    want = {"MultiHeadAttention": 2, "SkipLayerNormalization": 4, "FastGelu": 2}
+    # 4 residual Sum + LayerNormalization, and the first LayerNorm left unfused (below)
+    want = {"MultiHeadAttention": 2, "Sum": 4, "LayerNormalization": 5, "SkipLayerNormalization": 0, "FastGelu": 2}
     assert {k: ops[k] for k in want} == want, ops
     assert ops["Softmax"] == 0 and ops["Tanh"] == 0
     assert err <= 1e-5
@@ -68,15 +73,15 @@ def test_gpt2_with_past(tiny):
     assert status["attention"]["unfused"] == 0 and status["gelu"]["unfused"] == 0
     assert status["layer_norm"]["unfused"] == 1
     assert any("1 layer_norm site(s) left unfused" in n for n in notes), notes
-    (ln,) = [n for n in model.graph if n.op_type == "LayerNormalization"]
+    (ln,) = [n for n in model.graph if n.op_type == "LayerNormalization" and n.inputs[0].producer().op_type != "Sum"]
     emb_sum = ln.inputs[0]
     assert emb_sum.producer().op_type == "Add" and len(emb_sum.uses()) > 1  # the sum is also the residual
 
 
 def test_llama_with_past(tiny):
     model, ops, notes, err = _fuse(tiny("llama", "causal-lm-with-past"))
-    want = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4, "MultiHeadAttention": 2,
-            "RotaryEmbedding": 4}
+    want = {"SimplifiedLayerNormalization": 5, "Sum": 4, "SkipSimplifiedLayerNormalization": 0,
+            "MultiHeadAttention": 2, "RotaryEmbedding": 4}
     assert {k: ops[k] for k in want} == want, ops
     assert all(n.domain == "com.microsoft" for n in model.graph if n.op_type == "RotaryEmbedding")
     assert ops["Softmax"] == 0 and ops["GroupQueryAttention"] == 0
@@ -85,3 +90,22 @@ def test_llama_with_past(tiny):
     assert status["rotary"] == {"fused": 4, "unfused": 0, "unfused_nodes": []}
     assert status["fully_fused"], status
     assert any(n.startswith("fuse: gqa: GroupQueryAttention not tried") for n in notes), notes
+
+
+@pytest.mark.parametrize("family,task,want", [
+    ("bert", "feature-extraction", {"SkipLayerNormalization": 4, "Sum": 0}),
+    ("llama", "causal-lm-with-past", {"SkipSimplifiedLayerNormalization": 4, "SimplifiedLayerNormalization": 1, "Sum": 0}),
+])
+def test_cuda_keeps_skip_norm(tiny, family, task, want):
+    """With the CUDA provider the residual LayerNorms stay ORT's fused Skip* ops (checked on CPU here)."""
+    model = ir.load(tiny(family, task))
+    feeds = generate(model)
+    ref = run(make_session(model, optimize=False), feeds)
+    p = registry.create("fuse")
+    p.context.provider = "cuda"
+    p(model)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert {k: ops[k] for k in want} == want, ops
+    assert fusion_status(model)["fully_fused"]
+    got = run(make_session(model, optimize=False), feeds)
+    assert compare(got, ref, feeds).worst("max_abs") <= 1e-5

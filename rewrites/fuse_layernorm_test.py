@@ -70,12 +70,13 @@ def _model(*, opset=17, residual=False, extra_output=None, axes=(-1,), gamma_sha
     return ir.serde.deserialize_model(proto)
 
 
-def _fuse(model):
+def _fuse(model, provider="cpu"):
     feeds = [{"x": RNG.standard_normal((2, 5, D)).astype(np.float32),
               "skip": RNG.standard_normal((2, 5, D)).astype(np.float32)}]
     ref = run(make_session(model, optimize=False), feeds)
     p = registry.create("fuse")
     p.context.explain = True
+    p.context.provider = provider
     result = p(model)
     got = run(make_session(result.model, optimize=False), feeds)
     return result, collections.Counter(n.op_type for n in result.model.graph), compare(got, ref, feeds)
@@ -92,7 +93,11 @@ def test_decomposed_layernorm_fused(opset, square, divide, bias):
 
 
 def test_then_skip_layernorm():
+    """The residual LayerNorm: SkipLayerNormalization for CUDA, Sum + LayerNormalization for CPU."""
     result, ops, cmp = _fuse(_model(residual=True))
+    assert ops == {"Sum": 1, "LayerNormalization": 1}, ops
+    assert cmp.worst("max_abs") <= 1e-5
+    result, ops, cmp = _fuse(_model(residual=True), provider="cuda")
     assert ops == {"SkipLayerNormalization": 1}, ops
     assert cmp.worst("max_abs") <= 1e-5
 

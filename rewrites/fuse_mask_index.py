@@ -41,6 +41,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from ._fuse_step import ReasonedStep
+
 logger = logging.getLogger(__name__)
 
 #: the masked value must be at least this negative to count as a padding mask
@@ -143,14 +145,8 @@ def _standard_constant(m: np.ndarray, got: np.ndarray) -> float | str:
     return float(c)
 
 
-class MaskIndexStep:
+class MaskIndexStep(ReasonedStep):
     """Fusion step: Attention(bias from a 2-D mask) -> Attention(mask_index, mask_filter_value)."""
-
-    def __init__(self) -> None:
-        self.reasons: list[str] = []
-
-    def why_not(self, model: ir.Model) -> str | None:
-        return self.reasons[0] if self.reasons else None
 
     def apply_to_model(self, model: ir.Model, **_) -> int:
         self.reasons = []

@@ -102,20 +102,49 @@ def test_registered():
 
 
 def test_skip_layernorm_and_bias_gelu():
+    """CPU (the default provider): the residual LayerNorm ends as Sum + LayerNormalization."""
     result, p, cmp = _fuse(_ffn_model())
     ops = _ops(result.model)
-    assert ops["SkipLayerNormalization"] == 1 and ops["BiasGelu"] == 1, ops
-    assert ops["Erf"] == 0 and ops["LayerNormalization"] == 0
+    assert ops["Sum"] == 1 and ops["LayerNormalization"] == 1 and ops["BiasGelu"] == 1, ops
+    assert ops["SkipLayerNormalization"] == 0 and ops["Erf"] == 0 and ops["Add"] == 0, ops
     assert cmp.worst("max_abs") <= 1e-5
     assert p.context.rule_counts["bias_gelu"] == 1
+    assert p.context.rule_counts["residual_norm"] == 1
     assert fusion_status(result.model)["fully_fused"]
+
+
+@pytest.mark.parametrize("provider,skip_norm,fused", [
+    ("cuda", "auto", True), ("cpu", "fused", True), ("cuda", "sum", False), ("cpu", "auto", False),
+])
+def test_skip_norm_form_follows_provider(provider, skip_norm, fused):
+    feeds = _feeds()
+    model = _ffn_model()
+    ref = run(make_session(model, optimize=False), feeds)
+    p = registry.create("fuse", {"skip_norm": skip_norm})
+    p.context.provider = provider
+    result = p(model)
+    ops = _ops(result.model)
+    if fused:
+        assert ops["SkipLayerNormalization"] == 1 and ops["Sum"] == 0 and ops["LayerNormalization"] == 0, ops
+    else:
+        assert ops["SkipLayerNormalization"] == 0 and ops["Sum"] == 1 and ops["LayerNormalization"] == 1, ops
+    assert fusion_status(result.model)["fully_fused"]
+    got = run(make_session(result.model, optimize=False), feeds)
+    assert compare(got, ref, feeds).worst("max_abs") <= 1e-5
+
+
+def test_unknown_skip_norm_is_rejected():
+    from graphopt.errors import UsageError
+
+    with pytest.raises(UsageError):
+        registry.create("fuse", {"skip_norm": "maybe"})
 
 
 def test_gelu_off_keeps_erf():
     result, _, cmp = _fuse(_ffn_model(), gelu="off")
     ops = _ops(result.model)
     assert ops["Erf"] == 1 and ops["BiasGelu"] == 0
-    assert ops["SkipLayerNormalization"] == 1
+    assert ops["Sum"] == 1 and ops["LayerNormalization"] == 1
     assert cmp.worst("max_abs") <= 1e-5
 
 
@@ -152,7 +181,8 @@ def test_fusion_status_counts_unfused():
 
 # ------------------------------------------------------------------ MiniLM, four exporters
 
-EXPECTED = {"Attention": 6, "SkipLayerNormalization": 12, "BiasGelu": 6, "EmbedLayerNormalization": 1}
+#: on CPU (the default provider) each residual LayerNorm is Sum + LayerNormalization (see fuse_residual_norm)
+EXPECTED = {"Attention": 6, "Sum": 12, "LayerNormalization": 12, "BiasGelu": 6, "EmbedLayerNormalization": 1}
 
 
 @pytest.mark.parametrize("exporter,attn", [
@@ -167,7 +197,7 @@ def test_minilm_fully_fused(minilm, exporter, attn):
     p(model)
     ops = _ops(model)
     assert {k: ops[k] for k in EXPECTED} == EXPECTED, ops
-    assert ops["Softmax"] == 0 and ops["Erf"] == 0 and ops["LayerNormalization"] == 0
+    assert ops["Softmax"] == 0 and ops["Erf"] == 0 and ops["SkipLayerNormalization"] == 0
     # no float islands left: the mask subgraph is dead (2-D mask_index), packed QKV weights are folded
     assert dict(ops) == {**EXPECTED, "MatMul": 18, "Cast": 3}, ops
     att = next(n for n in model.graph if n.op_type == "Attention")

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 FUSED = ("com.microsoft::Attention", "com.microsoft::MultiHeadAttention", "com.microsoft::SkipLayerNormalization",
          "com.microsoft::BiasGelu", "com.microsoft::FastGelu", "com.microsoft::Gelu",
-         "com.microsoft::EmbedLayerNormalization")
+         "com.microsoft::EmbedLayerNormalization",
+         "Sum")  # fuse's CPU residual LayerNorm: Sum + LayerNormalization (rewrites/fuse_residual_norm.py)
 
 
 def _check_regions(result, pass_name: str) -> dict[str, int]:
@@ -78,8 +79,10 @@ def test_minilm_fuse_pass(minilm, tmp_path):
     per_op = _check_regions(r, "fuse")
     embed = per_op.pop("com.microsoft::EmbedLayerNormalization", 0)
     assert embed <= 1
-    assert per_op == {"com.microsoft::Attention": 6, "com.microsoft::SkipLayerNormalization": 12,
-                      "com.microsoft::BiasGelu": 6}
+    # CPU (the pipeline's default provider): each residual LayerNorm is one Sum + LayerNormalization region
+    assert per_op == {"com.microsoft::Attention": 6, "Sum": 12, "com.microsoft::BiasGelu": 6}
+    norm = [g for g in r.regions if "Sum" in g["b_ops"]]
+    assert all(g["b_ops"] == {"Sum": 1, "LayerNormalization": 1} for g in norm), [g["b_ops"] for g in norm]
     # the 6 fused attentions each replaced the same 31-node subgraph
     attn = [g for g in r.regions if "com.microsoft::Attention" in g["b_ops"]]
     assert len({len(g["a_nodes"]) for g in attn}) == 1

@@ -5,7 +5,7 @@ For each export (TorchScript / dynamo x eager / sdpa) four variants are loaded i
   baseline    the export as is, ORT_ENABLE_ALL
   ort-tx      onnxruntime.transformers.optimizer.optimize_model(model_type="bert", 12 heads, 384)
   onnxscript  onnxscript.rewriter.ort_fusions.optimize_for_ort
-  graphopt    the ``fuse`` pass
+  graphopt    the ``fuse`` pass (CPU form: residual LayerNorms as Sum + LayerNormalization)
 
 Every session: CPU, 1 intra-op thread, spinning off, ORT_ENABLE_ALL. Runs are interleaved
 round-robin (the VM has slow phases) and medians reported, at batch 1 x 128 and on a batch of 32
@@ -79,13 +79,18 @@ def _variant(path: Path, kind: str, tmp: Path) -> bytes | str | None:
 
 
 def _fused_ops(src: str) -> str:
+    """Contrib ops by count, plus ``fuse``'s CPU residual form (Sum feeding a LayerNormalization)."""
     import onnx
 
     m = onnx.load(src, load_external_data=False)
     counts: dict[str, int] = {}
+    sums = {o for n in m.graph.node if n.op_type == "Sum" and n.domain in ("", "ai.onnx") for o in n.output}
     for n in m.graph.node:
         if n.domain == "com.microsoft":
             counts[n.op_type] = counts.get(n.op_type, 0) + 1
+        elif n.op_type in ("LayerNormalization", "SimplifiedLayerNormalization") and n.input[0] in sums:
+            key = f"Sum+{n.op_type}"
+            counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none"
 
 
