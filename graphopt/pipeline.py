@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import PASS_TAG, io, registry
+from graphopt import PASS_TAG, io, registry, standins
 from graphopt import feeds as feeds_mod
 from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
@@ -194,6 +194,9 @@ def optimize(
                     verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
             rec.verification = {"level": verify_level, "seconds": round(time.perf_counter() - tv, 3),
                                 **verdict.numbers()}
+            if verdict.stand_ins:  # CUDA-only ops ran as standard-op stand-ins on CPU
+                rec.verification["cpu_stand_ins"] = list(verdict.stand_ins)
+                rec.notes.append(standins.note(verdict.stand_ins))
             if verdict.ok:
                 good = candidate
                 if verdict.outputs is not None:

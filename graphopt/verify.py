@@ -3,6 +3,11 @@
 Levels: ``off`` (nothing), ``structure`` (full ONNX checker incl. strict shape inference, opset and
 domain imports, an ORT CPU session), ``numeric`` (structure + outputs on feeds compared with a
 reference, mask-aware).
+
+Ops with no CPU kernel (``com.microsoft::PackedMultiHeadAttention``, emitted for ``--provider cuda``)
+are run on CPU through exact standard-op stand-ins (``graphopt.standins``): the model itself gets
+the structure checks, a copy with the stand-ins gets the session and the numbers, and the verdict
+names the ops so replaced (``Verdict.stand_ins``). The CUDA kernels themselves are checked on a GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from graphopt import io, runtime
+from graphopt import io, runtime, standins
 from graphopt.errors import RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, Comparison, compare
 
@@ -84,9 +89,22 @@ class Verdict:
     comparison: Comparison | None = None
     reason: str = ""
     outputs: list[dict[str, np.ndarray]] | None = None
+    #: CUDA-only op types that ran as their CPU stand-ins (graphopt.standins), not as themselves
+    stand_ins: list[str] = dataclasses.field(default_factory=list)
 
     def numbers(self) -> dict:
         return self.comparison.summary() if self.comparison is not None else {}
+
+
+def runnable(model: ir.Model, provider: str = "cpu") -> tuple[ir.Model, list[str]]:
+    """``model`` as a session on ``provider`` can run it, and the CUDA-only op types replaced.
+
+    On CPU (or where CUDA is missing), ops with no CPU kernel are replaced by their standard-op
+    stand-ins in a copy (``graphopt.standins.cpu_runnable``); otherwise ``model`` itself.
+    """
+    if provider == "cuda" and runtime.cuda_available()[0]:
+        return model, []
+    return standins.cpu_runnable(model)
 
 
 def run_model(
@@ -96,7 +114,15 @@ def run_model(
     provider: str = "cpu",
     optimize: bool = False,
 ) -> list[dict[str, np.ndarray]]:
-    """Outputs of ``model`` on each feed, from an ORT session (optimizations off by default)."""
+    """Outputs of ``model`` on each feed, from an ORT session (optimizations off by default).
+
+    An ``onnx_ir`` model with CUDA-only ops runs through their stand-ins where CUDA is not used.
+    """
+    if isinstance(model, ir.Model):
+        try:
+            model, _ = runnable(model, provider)
+        except ValueError as e:
+            raise RuntimeSetupError(f"cannot run the model on CPU: {e}") from None
     sess = runtime.make_session(model, provider=provider, optimize=optimize)
     try:
         return runtime.run(sess, feeds)
@@ -125,8 +151,18 @@ def verify(
     check_level(level)
     if level == "off":
         return Verdict(level, True)
-    with io.materialize(model) as proto:
-        return _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where)
+    try:
+        run_as, stand_ins = runnable(model, provider)
+        if stand_ins:  # the model itself gets the structure checks, the copy with stand-ins the rest
+            check_structure(model, where)
+    except VerificationError as e:
+        return Verdict(level, False, reason=e.message)
+    except ValueError as e:
+        return Verdict(level, False, reason=f"{where}: no CPU stand-in: {e}")
+    with io.materialize(run_as) as proto:
+        verdict = _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where)
+    verdict.stand_ins = stand_ins
+    return verdict
 
 
 def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where) -> Verdict:

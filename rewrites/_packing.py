@@ -20,6 +20,10 @@ every padded slot holds finite values of a real token::
 
     pack   [B, S, *rest] -> [1, N+1, *rest]:  Gather(Reshape(x, [B*S, *rest]), idx_ext, axis=0)
     unpack [1, N+1, *rest] -> [B, S, *rest]:  Gather(Squeeze(p, 0), pos_map, axis=0)
+
+Attention on the packed rows: ``GroupIndex`` (length-sorted groups of rows for MultiHeadAttention, the
+CPU formulation) and ``PackedAttentionIndex`` (``token_offset`` / ``cumulative_sequence_length`` of
+com.microsoft PackedMultiHeadAttention, CUDA only).
 """
 
 from __future__ import annotations
@@ -322,3 +326,47 @@ class GroupIndex:
                                 self.valid[g]])
             self._bias_cache[key] = t.op("Cast", [keep], {"to": ir.DataType.INT32})
         return self._bias_cache[key]
+
+
+class PackedAttentionIndex:
+    """``token_offset`` and ``cumulative_sequence_length`` of com.microsoft PackedMultiHeadAttention (built once).
+
+    The op takes the packed rows ``[N+1]`` as sequences: ``cumulative_sequence_length`` ``[B'+1]``
+    (int32) gives each sequence's run of rows (what the fused CUDA kernels read), ``token_offset``
+    ``[B', L]`` (int32) each row's slot in a right-padded ``[B', L]`` layout, the rows' slots first in
+    row order, then the padding slots (what the unfused CUDA kernel reads)::
+
+        lengths   = real tokens per row ++ [1]                  [B+1]   (the scratch row N: one more sequence)
+        cu        = [0, cumsum(lengths)]                        [B+2]
+        L         = max(lengths)                                (>= 1)
+        valid     = j < lengths[b] over the grid (b, j)         [B+1, L]
+        token_offset = Compress(b*L + j, valid) ++ Compress(b*L + j, not valid), as [B+1, L]
+
+    The packed rows are the real tokens in row-major (batch, position) order, so row b's real tokens
+    are one contiguous run: sequence b of a *virtual right-padded layout*, whatever the padding side
+    or holes in the mask (attention under a key padding mask does not depend on where in the row the
+    keys sit; positions were added to the embeddings before). The scratch row is a sequence of its
+    own, so the op takes the packed rows as they are (token_count N+1, never 0) and the scratch row's
+    context is finite. ``L`` is the longest row, not the padded length, so the unfused kernel's
+    padded work is as small as it can be.
+    """
+
+    def __init__(self, tape: ir.tape.Tape, index: PackIndex):
+        t = self.tape = tape
+        mask2d = t.op("Reshape", [t.op("Cast", [index.is_real], {"to": ir.DataType.INT64}), index.mask_shape])
+        lengths = t.op("ReduceSum", [mask2d, const_ints(t, [1])], {"keepdims": 0})  # [B]
+        lengths = t.op("Concat", [lengths, const_ints(t, [1])], {"axis": 0})  # [B+1]
+        cum = t.op("Concat", [const_ints(t, [0]), t.op("CumSum", [lengths, const_scalar(t, 0)])], {"axis": 0})
+        self.cumulative_sequence_length = t.op("Cast", [cum], {"to": ir.DataType.INT32})
+        self.cumulative_sequence_length.name = "packing_cumulative_sequence_length"
+        longest = t.op("ReduceMax", [lengths], {"keepdims": 0})  # scalar >= 1
+        j = t.op("Range", [const_scalar(t, 0), longest, const_scalar(t, 1)])  # [L]
+        valid = t.op("Less", [t.op("Unsqueeze", [j, const_ints(t, [0])]),
+                              t.op("Unsqueeze", [lengths, const_ints(t, [1])])])  # [B+1, L]
+        grid = t.op("Concat", [t.op("Shape", [lengths]), t.op("Reshape", [longest, const_ints(t, [1])])], {"axis": 0})
+        slots = t.op("Range", [const_scalar(t, 0), t.op("Mul", [t.op("Size", [lengths]), longest]), const_scalar(t, 1)])
+        flat_valid = t.op("Reshape", [valid, const_ints(t, [-1])])
+        offset = t.op("Concat", [t.op("Compress", [slots, flat_valid], {"axis": 0}),
+                                 t.op("Compress", [slots, t.op("Not", [flat_valid])], {"axis": 0})], {"axis": 0})
+        self.token_offset = t.op("Cast", [t.op("Reshape", [offset, grid])], {"to": ir.DataType.INT32})
+        self.token_offset.name = "packing_token_offset"

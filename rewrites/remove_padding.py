@@ -19,6 +19,21 @@ the ``N`` real tokens plus one scratch row (a copy of the first real token, see 
       graph output: [1,N+1,H] --unpack--> [B,S,H] with padded positions set to 0
               or, with ``packed_output=True``, [N,H]: the real tokens in row-major (batch, position) order
 
+With ``--provider cuda`` (``context.provider == "cuda"``), fused attention instead runs as
+com.microsoft ``PackedMultiHeadAttention`` on the packed rows, with no padding at all::
+
+    q, k, v [1,N+1,H] --Squeeze--> [N+1,H] --PackedMultiHeadAttention(bias, token_offset, cu)--> [N+1,Hv] --Unsqueeze-->
+    cu [B+2]: [0, cumsum(real tokens per row ++ [1])]   token_offset [B+1, L]: see ``_packing.PackedAttentionIndex``
+
+The op reads each row's real tokens as one right-padded sequence (the scratch row is a sequence of
+its own), which is exact for any padding side or holes because a key padding mask does not care
+where in the row the keys are. The op masks by sequence lengths only, so it is used only when the
+attention op's mask is the attention mask input itself (through Cast/Identity) and there is no
+attention bias; otherwise that op keeps the CPU formulation (length groups), with the reason in
+``context.notes``. ONNX Runtime has no CPU kernel for the op: the pipeline verifies such a model on
+CPU through a standard-op stand-in (``graphopt/standins.py``), and ``tools/cuda_checks.py`` checks
+the CUDA kernel on a GPU. ``packed_attention=False`` keeps the CPU formulation on CUDA too.
+
 Broadcast operands are packed the cheap way: a ``[1,S,H]`` or ``[S,H]`` position embedding by the
 sequence index of each token, a ``[B,1,...]`` operand by its batch index, ``[H]`` biases as they are.
 
@@ -59,7 +74,7 @@ import onnx_ir as ir
 from graphopt.opsets import default_opset
 from graphopt.registry import GraphoptPass, register
 
-from ._packing import GroupIndex, PackIndex, const_ints, probe_labels
+from ._packing import GroupIndex, PackedAttentionIndex, PackIndex, const_ints, probe_labels
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +85,7 @@ _MS = "com.microsoft"
 _ELEMENTWISE = frozenset(
     "Add Sub Mul Div Pow Sqrt Erf Tanh Relu Sigmoid Gelu Cast Where Neg Reciprocal Exp Log Abs Identity "
     "Clip Max Min Equal Less Greater LessOrEqual GreaterOrEqual Not And Or Xor IsNaN IsInf Softplus "
-    "Softsign HardSigmoid HardSwish LeakyRelu Elu Selu Mish Floor Ceil Round Sign Sin Cos".split()
+    "Softsign HardSigmoid HardSwish LeakyRelu Elu Selu Mish Floor Ceil Round Sign Sin Cos Sum".split()
 )
 _MS_ELEMENTWISE = frozenset("BiasGelu FastGelu Gelu QuickGelu BiasAdd".split())
 _REDUCE = frozenset("ReduceMean ReduceSum ReduceMax ReduceMin ReduceSumSquare ReduceL2".split())
@@ -107,8 +122,12 @@ class _Refuse(Exception):
 class _Planner:
     """Decides which nodes run packed, and checks the attention core (raises _Refuse)."""
 
-    def __init__(self, model: ir.Model, mask: ir.Value, labels: dict, groups: int = 0):
+    def __init__(self, model: ir.Model, mask: ir.Value, labels: dict, groups: int = 0, packed_attention: bool = False):
         self.groups = groups
+        #: fused attention runs as com.microsoft PackedMultiHeadAttention where it is exact (CUDA)
+        self.packed_attention = packed_attention
+        #: attention ops left on the padded batch (attention_groups=0) that PackedMultiHeadAttention refused
+        self.unpacked_attention: dict[int, tuple[ir.Node, str]] = {}
         self.model = model
         self.graph = model.graph
         self.mask = mask
@@ -182,8 +201,14 @@ class _Planner:
         op, dom, n = node.op_type, node.domain or "", len(node.inputs)
         if dom == _MS and op == "EmbedLayerNormalization":
             return self._spec_embed(node)
-        if dom == _MS and op in ("MultiHeadAttention", "Attention") and self.groups > 0:
-            return self._spec_attention(node)
+        if dom == _MS and op in ("MultiHeadAttention", "Attention") and (self.groups > 0 or self.packed_attention):
+            modes = self._spec_attention(node)
+            if modes is not None and self.groups == 0:
+                reason = self.packed_attention_refusal(node)
+                if reason is not None:  # no length groups asked for: attention stays on the padded batch
+                    self.unpacked_attention[id(node)] = (node, reason)
+                    return None
+            return modes
         outs = [o for o in node.outputs if o.name]
         if not outs:
             return None
@@ -201,7 +226,7 @@ class _Planner:
                 if w is None or a is None or len(w) > 2 or len(a) != r:
                     return None
                 return ["bcast", "param"]
-            if op in ("LayerNormalization", "RMSNormalization"):
+            if op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"):
                 if _norm_axis(_attr(node, "axis", -1), r) < 2:
                     return None
                 return ["bcast"] + ["param"] * (n - 1)
@@ -285,6 +310,42 @@ class _Planner:
                 return None
         self.rank[id(node)] = 3
         return modes[: len(node.inputs)]
+
+    def packed_attention_refusal(self, node: ir.Node) -> str | None:
+        """Why a grouped attention op cannot be PackedMultiHeadAttention (None: it can, exactly).
+
+        PackedMultiHeadAttention masks by sequence lengths alone, so it is exact only when the op's
+        mask is the key padding mask of the real tokens (the attention mask input itself) and there
+        is no other attention bias.
+        """
+        if not self.packed_attention:
+            return "packed attention is off"
+        ins = list(node.inputs) + [None] * 10
+        if node.op_type == "Attention":
+            kpm, bias = ins[3], ins[5]
+            sizes = _attr(node, "qkv_hidden_sizes")
+            if sizes and int(sizes[0]) != int(sizes[1]):
+                return f"query and key widths differ ({int(sizes[0])} vs {int(sizes[1])})"
+        else:
+            kpm, bias = ins[4], ins[5]
+            wq, wk = (self.lab(x) for x in ins[:2])
+            if wq is None or wk is None or wq[2] != wk[2] or not isinstance(wq[2], int):
+                return "query and key widths differ or are unknown"
+        if bias is not None:
+            return (f"it has an attention bias {bias.name!r} (PackedMultiHeadAttention masks by sequence "
+                    "lengths only)")
+        if kpm is None:
+            return "it has no key padding mask"
+        v = kpm
+        while v is not self.mask:
+            p = v.producer()
+            if p is None or (p.domain or "") not in ("", "ai.onnx") or p.op_type not in ("Cast", "Identity"):
+                return (f"its mask {kpm.name!r} is not the attention mask {self.mask.name!r} itself (through "
+                        "Cast/Identity), so it may not be a plain key padding mask")
+            v = p.inputs[0]
+        if node.outputs[0].dtype not in (None, ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            return f"its type {node.outputs[0].dtype} is neither float nor float16"
+        return None
 
     # ------------------------------------------------------------ planning
 
@@ -492,15 +553,21 @@ def _emit_split_attention(
     return out
 
 
-def _emit_grouped_attention(
-    tape: ir.tape.Tape, groups: GroupIndex, node: ir.Node, inputs: list, plan: _Planner
-) -> ir.Value:
-    """MultiHeadAttention per length group on packed Q/K/V; returns the packed ``[1, N, Hv]`` context."""
-    ins = list(inputs) + [None] * 10
-    attrs: dict = {"num_heads": int(_attr(node, "num_heads"))}
-    for name in ("scale", "mask_filter_value"):
-        if _attr(node, name) is not None:
-            attrs[name] = float(_attr(node, name))
+def _slice_initializer(graph: ir.Graph, weights: ir.Value, part: str, array: np.ndarray) -> ir.Value:
+    """A new initializer holding ``array`` (a column slice of ``weights``), with a unique name."""
+    base = f"{weights.name}_{part}"
+    name, i = base, 0
+    while name in graph.initializers:
+        i += 1
+        name = f"{base}_{i}"
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(weights.dtype),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def _packed_qkv(tape: ir.tape.Tape, node: ir.Node, ins: list, plan: _Planner) -> tuple:
+    """Packed (q, k, v, projection bias, key padding mask, attention bias) of a grouped attention op."""
     if node.op_type == "Attention":
         weights, bias = ins[1], ins[2]
         width = int(plan.lab(weights)[1])
@@ -508,15 +575,49 @@ def _emit_grouped_attention(
         sizes = [int(x) for x in sizes] if sizes else [width // 3] * 3
         # three MatMuls on column slices of the weights (folded by ORT) instead of MatMul + Split copies;
         # the projection bias goes to MultiHeadAttention, which adds it while it re-lays Q/K/V
+        # constant weights are split into three initializers, so later passes (quantize) see plain
+        # MatMul(x, W) with a constant W
         projections = []
-        for lo, hi in ((0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (sizes[0] + sizes[1], sum(sizes))):
-            w = tape.op("Slice", [weights, const_ints(tape, [lo]), const_ints(tape, [hi]), const_ints(tape, [1])])
+        w_all = weights.const_value.numpy() if weights.const_value is not None else None
+        for i, (lo, hi) in enumerate(((0, sizes[0]), (sizes[0], sizes[0] + sizes[1]),
+                                      (sizes[0] + sizes[1], sum(sizes)))):
+            if w_all is not None:
+                w = _slice_initializer(plan.model.graph, weights, "qkv"[i], np.ascontiguousarray(w_all[:, lo:hi]))
+            else:
+                w = tape.op("Slice", [weights, const_ints(tape, [lo]), const_ints(tape, [hi]), const_ints(tape, [1])])
             projections.append(tape.op("MatMul", [ins[0], w]))
         q, k, v = projections
-        kpm, attn_bias = ins[3], ins[5]
-    else:
-        q, k, v, bias = ins[0], ins[1], ins[2], ins[3]
-        kpm, attn_bias = ins[4], ins[5]
+        return q, k, v, bias, ins[3], ins[5]
+    return ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]
+
+
+def _attention_attrs(node: ir.Node, names=("scale", "mask_filter_value")) -> dict:
+    attrs: dict = {"num_heads": int(_attr(node, "num_heads"))}
+    for name in names:
+        if _attr(node, name) is not None:
+            attrs[name] = float(_attr(node, name))
+    return attrs
+
+
+def _emit_packed_attention(
+    tape: ir.tape.Tape, pidx: PackedAttentionIndex, node: ir.Node, inputs: list, plan: _Planner
+) -> ir.Value:
+    """PackedMultiHeadAttention on the packed rows ``[N+1, H]``; returns the packed ``[1, N+1, Hv]`` context."""
+    q, k, v, bias, _, _ = _packed_qkv(tape, node, list(inputs) + [None] * 10, plan)
+    rows = [tape.op("Squeeze", [x, const_ints(tape, [0])]) for x in (q, k, v)]
+    out = tape.op("PackedMultiHeadAttention", [*rows, bias, pidx.token_offset, pidx.cumulative_sequence_length],
+                  _attention_attrs(node, ("scale",)), domain=_MS)
+    out.name = f"{node.outputs[0].name}_packed_mha"
+    return tape.op("Unsqueeze", [out, const_ints(tape, [0])])
+
+
+def _emit_grouped_attention(
+    tape: ir.tape.Tape, groups: GroupIndex, node: ir.Node, inputs: list, plan: _Planner
+) -> ir.Value:
+    """MultiHeadAttention per length group on packed Q/K/V; returns the packed ``[1, N, Hv]`` context."""
+    ins = list(inputs) + [None] * 10
+    attrs = _attention_attrs(node)
+    q, k, v, bias, kpm, attn_bias = _packed_qkv(tape, node, ins, plan)
     hv = plan.lab(node.outputs[0])[2]
     lead_batch = attn_bias is not None and plan.lab(attn_bias)[0] == "B"
     parts = []
@@ -540,20 +641,26 @@ class RemovePadding(GraphoptPass):
     name = "remove-padding"
     exact = True
     run_after = ("fuse",)
-    emits = ("com.microsoft::MultiHeadAttention",)
+    emits = ("com.microsoft::MultiHeadAttention", "com.microsoft::PackedMultiHeadAttention")
 
-    def __init__(self, *, packed_output: bool = False, attention_groups: int = 8):
+    def __init__(self, *, packed_output: bool = False, attention_groups: int = 8, packed_attention: bool = True):
         super().__init__()
         #: output ``[N, hidden]`` (real tokens, row-major) instead of ``[B, S, hidden]`` with zero padding
         self.packed_output = packed_output
         #: fused attention (com.microsoft MultiHeadAttention/Attention) runs on this many length-sorted
         #: groups of rows, each padded only to its own longest row; 0 keeps it on the padded batch
         self.attention_groups = attention_groups
+        #: with provider cuda, fused attention runs as com.microsoft PackedMultiHeadAttention (no padding
+        #: at all) where that is exact; False keeps the length groups of MultiHeadAttention
+        self.packed_attention = packed_attention
 
-    def _refuse(self, model: ir.Model, reason: str) -> ir.passes.PassResult:
-        note = f"{self.name}: not applied: {reason}"
+    def _note(self, text: str) -> None:
+        note = f"{self.name}: {text}"
         logger.info("%s", note)
         self.context.notes.append(note)
+
+    def _refuse(self, model: ir.Model, reason: str) -> ir.passes.PassResult:
+        self._note(f"not applied: {reason}")
         return ir.passes.PassResult(model, modified=False)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -575,27 +682,54 @@ class RemovePadding(GraphoptPass):
             labels = probe_labels(model, mask)
         except Exception as e:  # the model cannot run on probe feeds: nothing can be proven
             return self._refuse(model, f"cannot probe dimensions ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-        planner = _Planner(model, mask, labels, groups=max(0, int(self.attention_groups)))
+        cuda = self.context.provider == "cuda"
+        planner = _Planner(model, mask, labels, groups=max(0, int(self.attention_groups)),
+                           packed_attention=cuda and bool(self.packed_attention))
         try:
             planner.plan()
         except _Refuse as e:
             return self._refuse(model, str(e))
-        self._rewrite(model, planner)
-        grouped = sum(1 for n in planner.packed_nodes if n.op_type in ("MultiHeadAttention", "Attention"))
-        self.context.rule_counts["packed_ops"] = len(planner.packed_nodes) - grouped
+        attention = [n for n in planner.packed_nodes if n.domain == _MS and n.op_type in ("MultiHeadAttention", "Attention")]
+        packed_attention: set[int] = set()
+        if planner.packed_attention:
+            for node in attention:
+                reason = planner.packed_attention_refusal(node)
+                if reason is None:
+                    packed_attention.add(id(node))
+                else:
+                    self._note(f"{node.op_type} {node.name or node.outputs[0].name!r} runs as MultiHeadAttention per "
+                               f"length group, not PackedMultiHeadAttention: {reason}")
+            for node, reason in planner.unpacked_attention.values():
+                self._note(f"{node.op_type} {node.name or node.outputs[0].name!r} stays on the padded batch "
+                           f"(attention_groups=0), not PackedMultiHeadAttention: {reason}")
+        self._rewrite(model, planner, packed_attention)
+        if packed_attention:
+            model.opset_imports.setdefault(_MS, 1)
+            self._note(f"{len(packed_attention)} attention op(s) run as com.microsoft PackedMultiHeadAttention, "
+                       "which ONNX Runtime implements for CUDA only: the model runs on the CUDA provider, not on CPU")
+        graph_io = {v.name for v in model.graph.inputs} | {v.name for v in model.graph.outputs}
+        for name, value in list(model.graph.initializers.items()):
+            if not value.uses() and name not in graph_io:  # e.g. a QKV weight now split in three
+                model.graph.initializers.pop(name)
+        grouped = len(attention) - len(packed_attention)
+        self.context.rule_counts["packed_ops"] = len(planner.packed_nodes) - len(attention)
         if grouped:
             self.context.rule_counts["grouped_attention"] = grouped
-        logger.info("remove-padding: %d ops run on packed tokens, %d attention ops grouped by length",
-                    len(planner.packed_nodes) - grouped, grouped)
+        if packed_attention:
+            self.context.rule_counts["packed_attention"] = len(packed_attention)
+        logger.info("remove-padding: %d ops run on packed tokens, %d attention ops grouped by length, "
+                    "%d PackedMultiHeadAttention", len(planner.packed_nodes) - len(attention), grouped,
+                    len(packed_attention))
         return ir.passes.PassResult(model, modified=True)
 
     # ------------------------------------------------------------ rewrite
 
-    def _rewrite(self, model: ir.Model, plan: _Planner) -> None:
+    def _rewrite(self, model: ir.Model, plan: _Planner, packed_attention: set[int]) -> None:
         graph = model.graph
         tape = ir.tape.Tape()
         index = PackIndex(tape, plan.mask)
         groups: GroupIndex | None = None
+        pidx: PackedAttentionIndex | None = None
         twin: dict[int, ir.Value] = {}
         new_nodes: list[ir.Node] = []
         for node in plan.packed_nodes:
@@ -614,9 +748,14 @@ class RemovePadding(GraphoptPass):
             if node.domain == _MS and node.op_type == "EmbedLayerNormalization":
                 outs = _emit_embed(tape, index, node, inputs)
             elif node.domain == _MS and node.op_type in ("MultiHeadAttention", "Attention"):
-                if groups is None:
-                    groups = GroupIndex(tape, index, plan.groups)
-                outs = [_emit_grouped_attention(tape, groups, node, inputs, plan)]
+                if id(node) in packed_attention:
+                    if pidx is None:
+                        pidx = PackedAttentionIndex(tape, index)
+                    outs = [_emit_packed_attention(tape, pidx, node, inputs, plan)]
+                else:
+                    if groups is None:
+                        groups = GroupIndex(tape, index, plan.groups)
+                    outs = [_emit_grouped_attention(tape, groups, node, inputs, plan)]
             else:
                 new = ir.Node(
                     node.domain,

@@ -71,7 +71,25 @@ def _encoder(*, mask: bool = True, pool: bool | str = False, mask_in_softmax: bo
             helper.make_node("Expand", ["bias4", "bshape"], ["bias_full"]),
             helper.make_node("Cast", ["attention_mask"], ["mask32"], to=TensorProto.INT32),
         ]
-        extra = ["", "mask32"] if mha == "kpm" else ["", "", "bias_full"]
+        if mha == "kpm_derived":  # the same key padding mask, computed (not a Cast of the input)
+            nodes[-1:] = [
+                helper.make_node("Greater", ["attention_mask", c("zero_i", np.array(0, np.int64))], ["maskb"]),
+                helper.make_node("Cast", ["maskb"], ["mask32"], to=TensorProto.INT32),
+            ]
+        if mha == "relbias":  # key padding bias plus a relative-position term: not a key padding mask
+            nodes += [
+                helper.make_node("Squeeze", ["sdim", c("ax0", np.array([0], np.int64))], ["sscalar"]),
+                helper.make_node("Range", [c("r0", np.array(0, np.int64)), "sscalar", c("r1", np.array(1, np.int64))],
+                                 ["rpos"]),
+                helper.make_node("Unsqueeze", ["rpos", "ax0"], ["rrow"]),
+                helper.make_node("Unsqueeze", ["rpos", c("ax1", np.array([1], np.int64))], ["rcol"]),
+                helper.make_node("Sub", ["rcol", "rrow"], ["rdiff"]),
+                helper.make_node("Cast", ["rdiff"], ["rdiff_f"], to=TensorProto.FLOAT),
+                helper.make_node("Mul", ["rdiff_f", c("rscale", np.array(0.1, np.float32))], ["rel"]),
+                helper.make_node("Add", ["bias_full", "rel"], ["bias_rel"]),
+            ]
+        extra = (["", "mask32"] if mha in ("kpm", "kpm_derived") else
+                 ["", "", "bias_rel"] if mha == "relbias" else ["", "", "bias_full"])
         nodes.append(helper.make_node("MultiHeadAttention", ["qa", "ka", "va", *extra], ["ctxr"],
                                       domain="com.microsoft", num_heads=NH))
         nodes = [n for n in nodes if n.output[0] not in ("qr", "kr", "vr", "qt", "kt", "vt")]
@@ -173,9 +191,10 @@ def _feed(lengths, seq=None, *, left=False, position_ids=False, mask=True, seed=
     b, s = len(lengths), seq or max(max(lengths), 1)
     m = np.zeros((b, s), np.int64)
     for i, n in enumerate(lengths):
-        if n:
-            m[i, s - n:] = 1 if left else 0
-            m[i, :n] = 0 if left else 1
+        if n and left:
+            m[i, s - n:] = 1
+        elif n:
+            m[i, :n] = 1
     feed = {"input_ids": rng.integers(1, VOCAB, (b, s)).astype(np.int64) * m,
             "token_type_ids": (rng.random((b, s)) < 0.3).astype(np.int64)}
     if mask:
@@ -327,7 +346,207 @@ def test_second_run_refuses():
 
 def test_registered_with_options():
     cls = registry.get("remove-padding")
-    assert cls.exact and cls.options() == {"packed_output": False, "attention_groups": 8}
+    assert cls.exact and cls.options() == {"packed_output": False, "attention_groups": 8, "packed_attention": True}
+
+
+# ------------------------------------------------------------------ CUDA variant (PackedMultiHeadAttention)
+#
+# ONNX Runtime runs PackedMultiHeadAttention on CUDA only. Here its CPU stand-in (graphopt.standins, an
+# exact standard-op reference of the op's semantics) checks everything the pass builds around it; the
+# CUDA kernel itself runs in test_cuda_kernel_on_gpu (skipped without CUDA) and tools/cuda_checks.py.
+
+ALL_FEEDS = ["right", "left", "no_padding", "batch1", "all_padding_row", "holes", "all_padding_batch"]
+
+
+def _apply_cuda(model: ir.Model, **options):
+    p = registry.create("remove-padding", options)
+    p.context = registry.PassContext(provider="cuda")
+    return p(model), p
+
+
+def _ms_ops(model: ir.Model) -> collections.Counter:
+    return collections.Counter(n.op_type for n in model.graph if n.domain == "com.microsoft")
+
+
+@pytest.mark.parametrize("groups", [8, 0])
+@pytest.mark.parametrize("kind", ["mha_kpm", "fused_raw"])
+def test_cuda_packed_attention_exact_via_standin(kind, groups):
+    """On fused attention with a plain key padding mask, provider cuda gives one PackedMultiHeadAttention
+    per attention op (no MultiHeadAttention, no length groups), exact on real tokens for every padding
+    pattern (through the CPU stand-in); attention_groups=0 does not turn it off."""
+    from graphopt.standins import cpu_runnable
+
+    factory = {"mha_kpm": lambda: _encoder(mha="kpm"), "fused_raw": lambda: _fused_encoder("raw")}[kind]
+    feeds = [FEEDS[k] for k in ALL_FEEDS]
+    ref = run(make_session(factory(), optimize=False), feeds)
+    result, p = _apply_cuda(factory(), attention_groups=groups)
+    assert result.modified, p.context.notes
+    ops = _ms_ops(result.model)
+    assert ops["PackedMultiHeadAttention"] == 1 and ops["MultiHeadAttention"] == 0 and ops["Attention"] == 0, ops
+    assert not any(n.op_type == "TopK" for n in result.model.graph), "no length groups are built"
+    assert p.context.rule_counts["packed_attention"] == 1 and "grouped_attention" not in p.context.rule_counts
+    assert any("CUDA only" in n for n in p.context.notes), p.context.notes
+    runnable, replaced = cpu_runnable(result.model)
+    assert replaced == ["PackedMultiHeadAttention"] and _ms_ops(runnable)["PackedMultiHeadAttention"] == 0
+    assert _ms_ops(result.model)["PackedMultiHeadAttention"] == 1, "the stand-in works on a copy"
+    got = run(make_session(runnable, optimize=False), feeds)
+    for name, f, g, r in zip(ALL_FEEDS, feeds, got, ref):
+        cmp = compare([g], [r], [f], atol=1e-5, rtol=1e-5)
+        assert cmp.worst("max_abs") <= 1e-5, (name, cmp.summary())
+        out = g["last_hidden_state"]
+        assert not np.isnan(out).any() and np.all(out[~f["attention_mask"].astype(bool)] == 0), name
+
+
+def test_cuda_packing_index_values():
+    """token_offset / cumulative_sequence_length for a left-padded batch with a hole: each row's real
+    tokens are one right-aligned sequence of the [B+1, L] layout; the scratch row is sequence B (length 1)."""
+    from graphopt.standins import cpu_runnable
+
+    result, _ = _apply_cuda(_encoder(mha="kpm"))
+    runnable, _ = cpu_runnable(result.model)
+    values = {v.name: v for node in runnable.graph for v in node.outputs}
+    runnable.graph.outputs.extend([values["packing_token_offset"], values["packing_cumulative_sequence_length"]])
+    feed = _feed([5, 3, 1, 7], left=True, seed=1)
+    feed["attention_mask"][3, 2] = 0  # a hole: row 3 has 6 real tokens
+    out = run(make_session(runnable, optimize=False), [feed])[0]
+    lengths = [5, 3, 1, 6, 1]
+    longest = max(lengths)
+    real = [b * longest + j for b, n in enumerate(lengths) for j in range(n)]
+    pad = [b * longest + j for b, n in enumerate(lengths) for j in range(n, longest)]
+    np.testing.assert_array_equal(out["packing_cumulative_sequence_length"], np.cumsum([0, *lengths]))
+    assert out["packing_cumulative_sequence_length"].dtype == np.int32
+    np.testing.assert_array_equal(out["packing_token_offset"], np.reshape(real + pad, (len(lengths), longest)))
+    assert out["packing_token_offset"].dtype == np.int32
+
+
+@pytest.mark.parametrize("mha,reason", [
+    ("relbias", "has an attention bias"),
+    ("bias", "has an attention bias"),
+    ("kpm_derived", "is not the attention mask"),
+])
+def test_cuda_falls_back_to_groups(mha, reason):
+    """An attention op whose mask is not provably the plain key padding mask keeps the CPU formulation
+    (MultiHeadAttention per length group) on CUDA too, says why, and stays exact."""
+    feeds = [FEEDS[k] for k in ALL_FEEDS]
+    ref = run(make_session(_encoder(mha=mha), optimize=False), feeds)
+    result, p = _apply_cuda(_encoder(mha=mha))
+    assert result.modified, p.context.notes
+    ops = _ms_ops(result.model)
+    assert ops["PackedMultiHeadAttention"] == 0 and ops["MultiHeadAttention"] == 8, ops
+    assert any("not PackedMultiHeadAttention" in n and reason in n for n in p.context.notes), p.context.notes
+    got = run(make_session(result.model, optimize=False), feeds)  # runs on CPU as it is
+    assert compare(got, ref, feeds).worst("max_abs") <= 1e-5
+
+
+def test_cuda_packed_attention_off():
+    result, p = _apply_cuda(_encoder(mha="kpm"), packed_attention=False)
+    ops = _ms_ops(result.model)
+    assert ops["PackedMultiHeadAttention"] == 0 and ops["MultiHeadAttention"] == 8, ops
+
+
+def test_cpu_provider_never_emits_packed_attention():
+    result, p = _apply(_encoder(mha="kpm"))
+    assert _ms_ops(result.model)["PackedMultiHeadAttention"] == 0
+    assert not any("PackedMultiHeadAttention" in n for n in p.context.notes), p.context.notes
+
+
+def test_cuda_pipeline_verifies_through_standin():
+    """--provider cuda through the pipeline: verified on CPU with the stand-in, and the report says so."""
+    from graphopt import pipeline
+
+    feeds = [FEEDS[k] for k in ("right", "left", "holes", "batch1")]
+    res = pipeline.optimize(_fused_encoder("raw"), passes="remove-padding", provider="cuda", feeds=feeds)
+    assert res.ok, [r.error for r in res.report.failed()]
+    rec = res.report.passes[0]
+    assert rec.modified and rec.verification["cpu_stand_ins"] == ["PackedMultiHeadAttention"]
+    assert rec.verification["max_abs"] <= 1e-5, rec.verification
+    assert any("stand-in for PackedMultiHeadAttention" in n and "tools/cuda_checks.py" in n for n in rec.notes), rec.notes
+    assert _ms_ops(res.model)["PackedMultiHeadAttention"] == 1, "the saved model keeps the CUDA op"
+
+
+def _standin_model(token_offset: np.ndarray | None = None) -> ir.Model:
+    """One PackedMultiHeadAttention node: query/key/value [T, H], bias, token_offset, cumulative lengths."""
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", H]) for n in "qkv"]
+    ins += [helper.make_tensor_value_info("bias", TensorProto.FLOAT, [3 * H]),
+            helper.make_tensor_value_info("token_offset", TensorProto.INT32, ["B", "S"]),
+            helper.make_tensor_value_info("cu", TensorProto.INT32, ["B1"])]
+    node = helper.make_node("PackedMultiHeadAttention", ["q", "k", "v", "bias", "token_offset", "cu"], ["y"],
+                            domain="com.microsoft", num_heads=NH)
+    graph = helper.make_graph([node], "pmha", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=9)
+    return ir.serde.deserialize_model(proto)
+
+
+def _standin_case(lengths, seq, seed=0):
+    rng = np.random.default_rng(seed)
+    t = sum(lengths)
+    q, k, v = (rng.standard_normal((t, H)).astype(np.float32) for _ in range(3))
+    bias = rng.standard_normal(3 * H).astype(np.float32)
+    real = [b * seq + j for b, n in enumerate(lengths) for j in range(n)]
+    pad = [b * seq + j for b, n in enumerate(lengths) for j in range(n, seq)]
+    feed = {"q": q, "k": k, "v": v, "bias": bias, "token_offset": np.reshape(real + pad, (len(lengths), seq)).astype(np.int32),
+            "cu": np.cumsum([0, *lengths]).astype(np.int32)}
+    # the op's semantics, sequence by sequence and head by head
+    want = np.zeros_like(v)
+    qb, kb, vb = q + bias[:H], k + bias[H:2 * H], v + bias[2 * H:]
+    hs, start = H // NH, 0
+    for n in lengths:
+        for h in range(NH):
+            cols, rows = slice(h * hs, (h + 1) * hs), slice(start, start + n)
+            if n:
+                sc = qb[rows, cols] @ kb[rows, cols].T / np.sqrt(hs)
+                pr = np.exp(sc - sc.max(-1, keepdims=True))
+                want[rows, cols] = (pr / pr.sum(-1, keepdims=True)) @ vb[rows, cols]
+        start += n
+    return feed, want
+
+
+def test_standin_matches_the_op_semantics():
+    from graphopt.standins import cpu_runnable
+
+    sess = make_session(cpu_runnable(_standin_model())[0], optimize=False)
+    for lengths, seq in (([3, 1, 4], 5), ([2, 0, 3], 3), ([1], 1), ([4, 4], 4)):
+        feed, want = _standin_case(lengths, seq)
+        np.testing.assert_allclose(sess.run(None, feed)[0], want, atol=1e-5, err_msg=str(lengths))
+
+
+@pytest.mark.parametrize("bad", ["left_aligned_offsets", "duplicate_offset", "short_cumulative", "sequence_longer_than_s"])
+def test_standin_poisons_inconsistent_plumbing(bad):
+    """token_offset / cumulative_sequence_length that disagree with each other or the op's layout give NaN."""
+    from graphopt.standins import cpu_runnable
+
+    sess = make_session(cpu_runnable(_standin_model())[0], optimize=False)
+    feed, _ = _standin_case([3, 1, 4], 5)
+    if bad == "left_aligned_offsets":  # each row's tokens at the end of its row (what RemovePadding never does)
+        feed["token_offset"] = np.asarray([2, 3, 4, 9, 11, 12, 13, 14, 0, 1, 5, 6, 7, 8, 10], np.int32).reshape(3, 5)
+    elif bad == "duplicate_offset":
+        feed["token_offset"].reshape(-1)[-1] = 0
+    elif bad == "short_cumulative":
+        feed["cu"] = np.asarray([0, 3, 4, 7], np.int32)
+    else:
+        feed["token_offset"] = feed["token_offset"][:, :3].copy()
+    assert np.isnan(sess.run(None, feed)[0]).all()
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_on_gpu():
+    """The real PackedMultiHeadAttention CUDA kernel against the CPU stand-in (needs CUDA)."""
+    from graphopt.runtime import cuda_available
+    from graphopt.standins import cpu_runnable
+
+    ok, why = cuda_available()
+    if not ok:
+        pytest.skip(f"no CUDA here ({why}); the CPU stand-in is checked by the tests above, the kernel by "
+                    "tools/cuda_checks.py on a GPU")
+    feeds = [FEEDS[k] for k in ("right", "left", "no_padding", "batch1", "holes")]
+    result, _ = _apply_cuda(_fused_encoder("raw"))
+    sess = make_session(result.model, provider="cuda", optimize=True)
+    if "CUDAExecutionProvider" not in sess.get_providers():
+        pytest.skip("the CUDA provider did not initialise")
+    want = run(make_session(cpu_runnable(result.model)[0], optimize=False), feeds)
+    # loose: ORT's CUDA provider runs fp32 MatMuls in TF32 by default; an index error is O(1)
+    assert compare(run(sess, feeds), want, feeds).worst("max_abs") <= 1e-2
 
 
 # ------------------------------------------------------------------ MiniLM
@@ -391,3 +610,34 @@ def test_packed_output_verified_by_pipeline(minilm):
     out = res.model.graph.outputs[0]
     assert out.shape is not None and len(out.shape) == 2
     assert res.report.passes[0].verification["max_abs"] <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter,attn", [("dynamo", "sdpa"), ("torchscript", "eager")])
+def test_minilm_fused_cuda_variant(minilm, exporter, attn):
+    """fuse + remove-padding for CUDA on MiniLM: 6 PackedMultiHeadAttention, no MultiHeadAttention; real
+    tokens match the unpacked export within 1e-4 through the CPU stand-in, for right/left padding,
+    batch 1 and no padding."""
+    from graphopt.standins import cpu_runnable
+
+    path = minilm(exporter, attn)
+    feeds = _minilm_feeds()
+    rng = np.random.default_rng(2)
+    for lengths in ([11], [9, 9, 9]):  # batch 1, no padding
+        f = _feed(lengths)
+        f["input_ids"] = rng.integers(1000, 20000, f["input_ids"].shape).astype(np.int64)
+        feeds.append(f)
+    ref = run(make_session(path, optimize=False), feeds)
+    model = ir.load(path)
+    fuse = registry.create("fuse")
+    fuse.context = registry.PassContext(provider="cuda")  # what `optimize --provider cuda` runs
+    fuse(model)
+    result, p = _apply_cuda(model)
+    assert result.modified, p.context.notes
+    ops = collections.Counter(n.op_type for n in result.model.graph)
+    assert ops["PackedMultiHeadAttention"] == 6 and ops["MultiHeadAttention"] == 0, ops
+    assert ops["Attention"] == 0 and ops["EmbedLayerNormalization"] == 0, ops
+    got = run(make_session(cpu_runnable(result.model)[0]), feeds)
+    for f, g, r in zip(feeds, got, ref):
+        cmp = compare([g], [r], [f])
+        assert cmp.worst("max_abs") <= 1e-4, cmp.summary()
