@@ -95,6 +95,8 @@ def _vocab_size(model: ir.Model, value: ir.Value) -> int | None:
                 tbl = node.inputs[2 if idx == 0 else 4]
                 if tbl is not None and tbl.shape is not None and isinstance(tbl.shape[0], int):
                     return tbl.shape[0]
+            elif node.op_type in ("Gather", "Compress", "Slice") and idx == 0 and node.outputs:
+                frontier.extend(node.outputs)  # selected ids are still ids (e.g. remove-padding's packing)
             elif node.op_type in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Add") and node.outputs:
                 frontier.extend(node.outputs)
     return None

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import runtime
+from graphopt import runtime, standins
 from graphopt.metrics import find_mask
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _session_with_outputs(model: ir.Model, names: Sequence[str]):
         if name not in present and name in by_name:
             m.graph.outputs.append(by_name[name])
             present.add(name)
-    return runtime.make_session(m, threads=1, level="basic")
+    return runtime.make_session(standins.cpu_runnable(m)[0], threads=1, level="basic")
 
 
 def collect(

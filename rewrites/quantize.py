@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import runtime
+from graphopt import runtime, standins
 from graphopt.errors import UsageError
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
 from graphopt.registry import GraphoptPass, register
@@ -195,7 +195,7 @@ class QuantizePass(GraphoptPass):
 
     def _evaluate(self, model: ir.Model, plan, factors, feeds, ref) -> Comparison:
         cand, _ = self._build(model.clone(), plan, factors)
-        sess = runtime.make_session(cand, threads=1)
+        sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
         return compare(runtime.run(sess, feeds), ref, feeds)
 
     # ------------------------------------------------------------ the pass
@@ -236,7 +236,9 @@ class QuantizePass(GraphoptPass):
                 modes.append((m, False))
         any_sq = any(sq for _, sq in modes)
 
-        sess = runtime.make_session(model, threads=1)
+        # a --provider cuda model may hold CUDA-only ops (remove-padding's PackedMultiHeadAttention):
+        # calibration and the budget search run on CPU through their exact standard-op stand-ins
+        sess = runtime.make_session(standins.cpu_runnable(model)[0], threads=1)
         ref_calib = runtime.run(sess, calib)
         ref_held = runtime.run(sess, held)
 
@@ -516,7 +518,8 @@ class QuantizePass(GraphoptPass):
                 path = os.path.join(d, "opt.onnx")
                 so = runtime.session_options(threads=1)
                 so.optimized_model_filepath = path
-                ort.InferenceSession(io.to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
+                ort.InferenceSession(io.to_proto(standins.cpu_runnable(model)[0]).SerializeToString(), so,
+                                     providers=["CPUExecutionProvider"])
                 ops = Counter(n.op_type for n in onnx.load(path).graph.node)
         except Exception as e:  # noqa: BLE001 - informative only
             return f"could not inspect the ORT-optimized graph: {e}"

@@ -263,6 +263,19 @@ def test_cuda_qdq_s8():
     assert q and all(n.inputs[2].dtype == ir.DataType.INT8 for n in q)
 
 
+def _tiny_bert_feeds(path) -> list[dict[str, np.ndarray]]:
+    """6 right-padded batches of 4 x 16 for the seeded tiny BERT at ``path`` (its own input names)."""
+    rng = np.random.default_rng(0)
+    feeds = []
+    for _ in range(6):
+        lens = rng.integers(3, 17, size=4)
+        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
+        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
+                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
+    names = {v.name for v in ir.load(path).graph.inputs}
+    return [{k: v for k, v in f.items() if k in names} for f in feeds]
+
+
 def test_after_fuse_on_tiny_bert(tmp_path):
     """cleanup,fuse,quantize through the pipeline on the seeded tiny BERT (dynamo): the fused Attention
     (2-D mask, equal ``qkv_hidden_sizes``) becomes QAttention, every MatMul an integer op (int4: the
@@ -273,15 +286,7 @@ def test_after_fuse_on_tiny_bert(tmp_path):
     from graphopt import pipeline
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    rng = np.random.default_rng(0)
-    feeds = []
-    for _ in range(6):
-        lens = rng.integers(3, 17, size=4)
-        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
-        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
-                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
-    names = {v.name for v in ir.load(path).graph.inputs}
-    feeds = [{k: v for k, v in f.items() if k in names} for f in feeds]
+    feeds = _tiny_bert_feeds(path)
     for mode, want in (("static", "MatMulIntegerToFloat"), ("dynamic", "DynamicQuantizeMatMul"), ("int4", "MatMulNBits")):
         result = pipeline.optimize(str(path), passes="cleanup,fuse,quantize", feeds=feeds,
                                    overrides=[f"quantize.mode={mode}", "quantize.mixed=false"],
@@ -313,3 +318,67 @@ def test_local_sensitivity_ranks_without_sessions(encoder):
     assert any(n.startswith("sensitivity") for n in ctx.notes)
     if res.modified:
         _check_budget(encoder, res.model, feeds, "cosine>=0.99995")
+
+
+def test_int8_recipe_quantizes_the_packed_model(tmp_path):
+    """The builtin ``int8`` recipe (cleanup, fuse, remove-padding, quantize) on the seeded tiny BERT:
+    remove-padding splits each fused Attention's QKV weight into three constant initializers, so
+    quantize turns all of Q, K, V, output and FFN projections into integer ops (static: one shared
+    QuantizeLinear per activation) while attention runs per length group; real tokens stay within
+    the budget and padded positions stay 0."""
+    pytest.importorskip("torch", reason="torch is needed to export the tiny models")
+    from conftest import load_models_module
+    from graphopt import pipeline, recipe
+
+    assert "int8" in recipe.builtin_names()
+    path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
+    feeds = _tiny_bert_feeds(path)
+    result = pipeline.optimize(str(path), recipe.load("int8"), feeds=feeds,
+                               overrides=["quantize.mode=static", "quantize.mixed=false"],
+                               budget="cosine>=0.99", require_budget=True)
+    assert result.ok, [p.error for p in result.report.passes]
+    assert [p.name for p in result.report.passes] == ["cleanup", "fuse", "remove-padding", "quantize"]
+    ops = _ops(result.model)
+    # 2 layers x (q, k, v, output, ffn1, ffn2) projections, no float MatMul left
+    assert ops["MatMulIntegerToFloat"] == 12 and ops["MatMul"] == 0, ops
+    # q/k/v share their input's QuantizeLinear: 4 activations per layer
+    assert ops["QuantizeLinear"] == 8, ops
+    assert ops["MultiHeadAttention"] >= 2 and ops["Attention"] == 0 and ops["QAttention"] == 0, ops
+    out = next(iter(runtime.run(runtime.make_session(result.model, threads=1), feeds[-1:])[0].values()))
+    pad = feeds[-1]["attention_mask"] == 0
+    assert pad.any() and np.all(out[pad] == 0)
+
+
+def test_generated_feeds_of_a_packed_model_use_the_vocabulary():
+    """remove-padding gathers the ids before the embedding Gather; generated feeds still find the
+    vocabulary size (they used to fall back to ids 0/1 on the packed model)."""
+    pytest.importorskip("torch", reason="torch is needed to export the tiny models")
+    from conftest import load_models_module
+    from graphopt import feeds as feeds_mod
+    from graphopt import pipeline
+
+    path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
+    packed = pipeline.optimize(str(path), passes="cleanup,fuse,remove-padding", verify_level="structure").model
+    ids = feeds_mod.generate(packed)[0]["input_ids"]
+    assert ids.max() > 100 and ids.max() < 1000
+
+
+def test_int8_recipe_for_cuda_calibrates_through_stand_ins():
+    """With --provider cuda, remove-padding emits PackedMultiHeadAttention (no CPU kernel); quantize
+    still calibrates and searches on CPU through the op's standard-op stand-in, and emits static QDQ
+    with s8 activations (what the CUDA provider runs)."""
+    pytest.importorskip("torch", reason="torch is needed to export the tiny models")
+    from conftest import load_models_module
+    from graphopt import pipeline, recipe
+
+    path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
+    result = pipeline.optimize(str(path), recipe.load("int8"), provider="cuda", budget="cosine>=0.99",
+                               require_budget=True)
+    assert result.ok, [p.error for p in result.report.passes]
+    ops = _ops(result.model)
+    assert ops["PackedMultiHeadAttention"] == 2 and ops["DequantizeLinear"] >= 12, ops
+    q = [n for n in result.model.graph if n.op_type == "QuantizeLinear"]
+    assert q and all(n.inputs[2].dtype == ir.DataType.INT8 for n in q)
+    rec = result.report.passes[-1]
+    assert rec.name == "quantize" and rec.modified
+    assert any("stand-in" in n for n in rec.notes), rec.notes

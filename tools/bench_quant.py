@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="thread CPU time or wall time")
     ap.add_argument("--h2h-rounds", type=int, default=0,
                     help="then bench fp32, ORT dynamic per-channel and graphopt default alone for this many rounds")
+    ap.add_argument("--packed", action="store_true",
+                    help="also the default recipe's packed model (remove-padding), ORT dynamic and graphopt "
+                         "quantize on it (the `int8` recipe)")
     ap.add_argument("--only", default="", help="comma-separated substrings: bench only matching variants")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -151,11 +154,23 @@ def main(argv: list[str] | None = None) -> int:
         n.attribute.extend(keep)
     onnx.save(proto, str(ort_in))
     paths: dict[str, Path] = {fp_name: fused}
+    packed = None
+    if args.packed:
+        # the default recipe's output (cleanup, fuse, remove-padding): the fp32 model the `int8` recipe quantizes
+        from graphopt.pipeline import optimize
+
+        packed = out / "fp32-packed.onnx"
+        io.save(optimize(fused, passes="remove-padding", verify_level="structure").model, packed)
+        paths["fp32 fused + remove-padding (graphopt default recipe)"] = packed
     fp_opts = {"DefaultTensorType": onnx.TensorProto.FLOAT}
     for pc in (False, True):
         p = out / f"ort-dynamic-{'pc' if pc else 'pt'}.onnx"
         quantize_dynamic(str(ort_in), str(p), per_channel=pc, weight_type=QuantType.QInt8, extra_options=fp_opts)
         paths[f"ORT quantize_dynamic per-{'channel' if pc else 'tensor'}"] = p
+    if packed is not None:  # attribution: ORT's best quantizer on graphopt's packed model
+        p = out / "ort-dynamic-pc-packed.onnx"
+        quantize_dynamic(str(packed), str(p), per_channel=True, weight_type=QuantType.QInt8, extra_options=fp_opts)
+        paths["ORT quantize_dynamic per-channel on the packed model"] = p
 
     class _Reader(CalibrationDataReader):
         def __init__(self):
@@ -178,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         "graphopt int4 (GPTQ, acc 4)": {"mode": "int4", "accuracy_level": 4},
         "graphopt int4 (RTN, acc 4)": {"mode": "int4", "accuracy_level": 4, "int4_method": "rtn"},
     }
+    if packed is not None:
+        variants["graphopt int8 recipe (default recipe + quantize auto)"] = {"_source": packed}
     budget = parse_budget(DEFAULT_BUDGET)
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     if only:
         variants = {k: v for k, v in variants.items() if any(o in k for o in only)}
     for name, opts in variants.items():
         t0 = time.perf_counter()
-        m = io.load(fused)
+        opts = dict(opts)
+        m = io.load(opts.pop("_source", fused))
         qp = QuantizePass(sensitivity_feeds=1, **opts)
         qp.context = PassContext(provider="cpu", calib_feeds=calib_part, feeds=confirm, budget=budget)
         res = qp(m)
@@ -217,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['vs_ort_per_channel']:.2f} | {row['size_mb']:.1f} | {row['cosine_mean']:.4f} | "
               f"{row['cosine_min']:.4f} |")
     if args.h2h_rounds:  # fewer models per round: less drift between them on a shared machine
-        h2h = [n for n in paths if n.startswith("fp32") or n in ("ORT quantize_dynamic per-channel",
-                                                               "graphopt quantize (default: auto)")]
+        h2h = [n for n in paths if n.startswith("fp32 fused (") or n in (
+            "ORT quantize_dynamic per-channel", "graphopt quantize (default: auto)",
+            "graphopt int8 recipe (default recipe + quantize auto)")]
         res2 = _bench({n: paths[n] for n in h2h}, held, args.h2h_rounds, args.clock)
         base2, ort2 = res2[0]["p50"], res2[1]["p50"]
         print(f"\nhead-to-head ({args.h2h_rounds} rounds):")
