@@ -99,7 +99,12 @@ def make_session(
         sess = ort.InferenceSession(src, sess_options=so, providers=providers)
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeSetupError(f"ONNX Runtime cannot load the model: {msg}") from e
+        hint = None
+        if "CUDAExecutionProvider" not in providers and any(
+                op in msg for op in ("PackedMultiHeadAttention", "PackedAttention")):
+            hint = ("the model was optimized for --provider cuda and needs ONNX Runtime's CUDA provider; "
+                    "optimize with --provider cpu for CPU serving")
+        raise RuntimeSetupError(f"ONNX Runtime cannot load the model: {msg}", hint=hint) from e
     finally:
         if tmp is not None:
             tmp.cleanup()

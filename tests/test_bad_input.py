@@ -162,3 +162,23 @@ def test_unknown_provider(run_cli, mlp_path, tmp_path):
     code, _, err = run_cli("optimize", mlp_path, "-o", out, "--provider", "tpu")
     _assert_clean(code, err, USAGE, out, {mlp_path: mlp_path.read_bytes()})
     assert "unknown provider 'tpu'" in err and "cpu or cuda" in err
+
+
+def test_cuda_only_model_on_cpu_says_so(run_cli, tmp_path):
+    """A model optimized for --provider cuda (PackedMultiHeadAttention, no CPU kernel) benched on a
+    CPU-only machine: one error line and a hint naming the cause, exit 1."""
+    pytest.importorskip("torch", reason="torch is needed to export the tiny models")
+    from conftest import load_models_module
+    from graphopt.runtime import cuda_available
+
+    if cuda_available()[0]:
+        pytest.skip("CUDA is present here: the model loads on the CUDA provider")
+    src = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
+    out = tmp_path / "cuda.onnx"
+    code, _, err = run_cli("optimize", src, "-o", out, "--provider", "cuda")
+    assert code == 0, err
+    code, _, err = run_cli("bench", out)
+    assert code == ERROR, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines[0].startswith("error:") and "PackedMultiHeadAttention" in lines[0], err
+    assert any(ln.startswith("hint:") and "--provider cuda" in ln for ln in lines), err
