@@ -478,8 +478,10 @@ def _has_subgraphs(graph: ir.Graph) -> bool:
     )
 
 
-def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: list) -> list:
+def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: list, sum_norm: bool = False) -> list:
     """Packed EmbedLayerNormalization as Gathers + SkipLayerNormalization: [output, None, embedding_sum].
+
+    With ``sum_norm`` (CPU) the norm is ``Sum`` + ``LayerNormalization`` instead.
 
     The last embedding term is the SkipLayerNormalization's skip input, so the packed graph stays
     fused. When the embedding sum (third output) is read, Add + LayerNormalization keep it explicit.
@@ -495,6 +497,9 @@ def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: lis
     if sum_out is not None and (sum_out.uses() or sum_out.is_graph_output()):
         total = tape.op("Add", [x, skip])
         out = tape.op("LayerNormalization", [total, gamma, beta], {"axis": -1, "epsilon": eps})
+    elif sum_norm:
+        total = None
+        out = tape.op("LayerNormalization", [tape.op("Sum", [x, skip]), gamma, beta], {"axis": -1, "epsilon": eps})
     else:
         total = None
         out = tape.op("SkipLayerNormalization", [x, skip, gamma, beta], {"epsilon": eps}, domain=_MS)
@@ -655,9 +660,8 @@ class RemovePadding(GraphoptPass):
         self.packed_attention = packed_attention
 
     def _note(self, text: str) -> None:
-        note = f"{self.name}: {text}"
-        logger.info("%s", note)
-        self.context.notes.append(note)
+        logger.info("%s: %s", self.name, text)
+        self.context.notes.append(text)  # the report prefixes the pass name
 
     def _refuse(self, model: ir.Model, reason: str) -> ir.passes.PassResult:
         self._note(f"not applied: {reason}")
@@ -746,7 +750,10 @@ class RemovePadding(GraphoptPass):
                     cls = plan.classify(x, r if modes[i] == "bcast" else len(plan.lab(x) or ()))
                     inputs.append(x if cls == "free" else index.pack(x, cls, r))
             if node.domain == _MS and node.op_type == "EmbedLayerNormalization":
-                outs = _emit_embed(tape, index, node, inputs)
+                # CPU: Sum + LayerNormalization, as `fuse` ends residual norms there (the CPU
+                # SkipLayerNormalization kernel is the slow one; see rewrites/fuse_residual_norm.py)
+                outs = _emit_embed(tape, index, node, inputs,
+                                   sum_norm=self.context.provider != "cuda" and default_opset(model) >= 17)
             elif node.domain == _MS and node.op_type in ("MultiHeadAttention", "Attention"):
                 if id(node) in packed_attention:
                     if pidx is None:
