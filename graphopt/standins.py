@@ -205,11 +205,12 @@ def cpu_runnable(model: ir.Model) -> tuple[ir.Model, list[str]]:
         tape = ir.tape.Tape()
         out = build(tape, node)
         old = node.outputs[0]
-        if old.name:  # the stand-in's output keeps the name (calibration reads activations by name)
-            name = old.name
+        name = old.name
+        # replace_nodes_and_values gives the stand-in's output the old output's name, type and shape
+        # (graph outputs and calibration read values by name); the removed value then gives it up
+        ir.convenience.replace_nodes_and_values(graph, node, [node], list(tape.nodes), [old], [out])
+        if name:
             old.name = f"{name}_replaced"
             out.name = name
-        out.shape, out.type = old.shape, old.type
-        ir.convenience.replace_nodes_and_values(graph, node, [node], list(tape.nodes), [old], [out])
     logger.info("replaced %s by standard-op stand-ins for a CPU run", ", ".join(ops))
     return copy, ops

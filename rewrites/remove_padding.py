@@ -20,7 +20,7 @@ the ``N`` real tokens plus one scratch row (a copy of the first real token, see 
               or, with ``packed_output=True``, [N,H]: the real tokens in row-major (batch, position) order
 
 With ``--provider cuda`` (``context.provider == "cuda"``), fused attention instead runs as
-com.microsoft ``PackedMultiHeadAttention`` on the packed rows, with no padding at all::
+com.microsoft ``PackedMultiHeadAttention`` on the packed rows (no padding outside the op)::
 
     q, k, v [1,N+1,H] --Squeeze--> [N+1,H] --PackedMultiHeadAttention(bias, token_offset, cu)--> [N+1,Hv] --Unsqueeze-->
     cu [B+2]: [0, cumsum(real tokens per row ++ [1])]   token_offset [B+1, L]: see ``_packing.PackedAttentionIndex``
@@ -33,6 +33,9 @@ attention bias; otherwise that op keeps the CPU formulation (length groups), wit
 ``context.notes``. ONNX Runtime has no CPU kernel for the op: the pipeline verifies such a model on
 CPU through a standard-op stand-in (``graphopt/standins.py``), and ``tools/cuda_checks.py`` checks
 the CUDA kernel on a GPU. ``packed_attention=False`` keeps the CPU formulation on CUDA too.
+ORT's CUDA kernel takes float and float16. In float32 its fused kernels (TensorRT, flash) are off
+and memory-efficient attention starts at ``L >= 256``, so below that it runs the unfused kernel,
+which re-pads Q/K/V inside the op to ``[B+1, L]`` by ``token_offset`` (``L``: the longest row).
 
 Broadcast operands are packed the cheap way: a ``[1,S,H]`` or ``[S,H]`` position embedding by the
 sequence index of each token, a ``[B,1,...]`` operand by its batch index, ``[H]`` biases as they are.

@@ -530,6 +530,73 @@ def test_standin_poisons_inconsistent_plumbing(bad):
     assert np.isnan(sess.run(None, feed)[0]).all()
 
 
+def test_standin_keeps_the_output_name():
+    """The stand-in's output has the op's output name, also as a graph output (verification and
+    calibration read values by name; it used to come back as '<name>_replaced')."""
+    from graphopt.standins import cpu_runnable
+
+    runnable, _ = cpu_runnable(_standin_model())
+    assert [o.name for o in runnable.graph.outputs] == ["y"]
+    feed, want = _standin_case([3, 1, 4], 5)
+    got = make_session(runnable, optimize=False).run(["y"], feed)[0]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _unfused_kernel(q, k, v, bias, token_offset, cu, heads):
+    """numpy model of ORT's unfused CUDA PackedMultiHeadAttention (packed_multihead_attention_impl.cu):
+    TransposeQKV_TNH_3BNSH puts packed row p at slot token_offset[p] (bias only for p >= T),
+    ComputeSoftmaxWithCumSeqLength keeps keys < cu[b+1] - cu[b], TransposeRemovePadding reads
+    row i back from slot token_offset[i]. It reads the layout from token_offset, not from cu."""
+    (b, s), (t, d), dv = token_offset.shape, q.shape, v.shape[1]
+    assert cu.shape == (b + 1,) and t <= b * s  # CheckInputs
+    slots = token_offset.reshape(-1)
+    lay = [np.zeros((b * s, w)) + bias[lo:lo + w] for lo, w in ((0, d), (d, d), (2 * d, dv))]
+    for x, src in zip(lay, (q, k, v)):
+        x[slots[:t]] = src + x[slots[:t]]
+    qh, kh, vh = (x.reshape(b, s, heads, -1).transpose(0, 2, 1, 3) for x in lay)
+    scores = qh @ kh.transpose(0, 1, 3, 2) / np.sqrt(d // heads)
+    ctx = np.zeros((b, heads, s, dv // heads))
+    for i in range(b):
+        n = cu[i + 1] - cu[i]
+        if n > 0:
+            e = np.exp(scores[i, :, :, :n] - scores[i, :, :, :n].max(-1, keepdims=True))
+            ctx[i] = (e / e.sum(-1, keepdims=True)) @ vh[i, :, :n]
+    return ctx.transpose(0, 2, 1, 3).reshape(b * s, dv)[slots[:t]]
+
+
+def test_cuda_index_drives_the_unfused_kernel():
+    """token_offset / cumulative_sequence_length as built for MiniLM-like fused attention, on random
+    masks (holes, empty rows, all padding, no padding): ORT's unfused CUDA kernel (fp32 below
+    sequence length 256 always runs it) would compute what the CPU stand-in computes."""
+    from graphopt.standins import cpu_runnable
+
+    result, _ = _apply_cuda(_fused_encoder("raw"))
+    model = result.model
+    node = next(n for n in model.graph if n.op_type == "PackedMultiHeadAttention")
+    for i, x in enumerate(node.inputs):
+        if x is not None and not x.name:
+            x.name = f"pmha_input_{i}"
+    names = [x.name for x in node.inputs]
+    runnable, _ = cpu_runnable(model)
+    values = {v.name: v for n in runnable.graph for v in n.outputs}
+    wanted = [n for n in [*names, node.outputs[0].name] if n not in runnable.graph.initializers]
+    runnable.graph.outputs.extend(values[n] for n in wanted)
+    sess = make_session(runnable, optimize=False)
+    rng = np.random.default_rng(0)
+    for trial in range(24):
+        b, s = int(rng.integers(1, 6)), int(rng.integers(1, 10))
+        mask = (rng.random((b, s)) < rng.random()).astype(np.int64)
+        mask[:] = 0 if trial == 0 else 1 if trial == 1 else mask
+        feed = {"input_ids": rng.integers(1, VOCAB, (b, s)).astype(np.int64) * mask,
+                "token_type_ids": np.zeros((b, s), np.int64), "attention_mask": mask}
+        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+        q, k, v, bias, offset, cu = (out[n] if n in out else model.graph.initializers[n].const_value.numpy()
+                                     for n in names)
+        assert offset.dtype == cu.dtype == np.int32
+        want = _unfused_kernel(q, k, v, bias, offset, cu, NH)
+        np.testing.assert_allclose(out[node.outputs[0].name], want, atol=1e-5, err_msg=str(mask))
+
+
 @pytest.mark.cuda
 def test_cuda_kernel_on_gpu():
     """The real PackedMultiHeadAttention CUDA kernel against the CPU stand-in (needs CUDA)."""
