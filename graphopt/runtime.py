@@ -99,9 +99,10 @@ def make_session(
         sess = ort.InferenceSession(src, sess_options=so, providers=providers)
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        from graphopt.standins import STAND_INS  # the CUDA-only ops graphopt emits
+
         hint = None
-        if "CUDAExecutionProvider" not in providers and any(
-                op in msg for op in ("PackedMultiHeadAttention", "PackedAttention")):
+        if "CUDAExecutionProvider" not in providers and any(f"{op}(" in msg for _, op in STAND_INS):
             hint = ("the model was optimized for --provider cuda and needs ONNX Runtime's CUDA provider; "
                     "optimize with --provider cpu for CPU serving")
         raise RuntimeSetupError(f"ONNX Runtime cannot load the model: {msg}", hint=hint) from e
