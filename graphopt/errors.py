@@ -63,3 +63,12 @@ class ParityError(ExportError):
 
 class RuntimeSetupError(GraphoptError):
     """An ONNX Runtime session could not be created (provider missing, bad model)."""
+
+
+def first_line(exc: BaseException | str) -> str:
+    """The first non-empty line of an exception's message (or of a string); the type name if empty."""
+    text = exc if isinstance(exc, str) else str(exc)
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return "" if isinstance(exc, str) else type(exc).__name__

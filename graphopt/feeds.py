@@ -229,3 +229,15 @@ def describe(feeds: Sequence[Mapping[str, np.ndarray]]) -> str:
     return f"{len(feeds)} feeds, e.g. " + ", ".join(parts)
 
 
+
+
+def split_feeds(feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[list, list]:
+    """Calibration feeds and the feeds held back for checks: the first half, then the rest.
+
+    Fewer than two feeds: both are all of them (nothing can be held back).
+    """
+    feeds = list(feeds)
+    if len(feeds) < 2:
+        return feeds, feeds
+    k = max(1, len(feeds) // 2)
+    return feeds[:k], feeds[k:]

@@ -1,9 +1,14 @@
 """The pipeline: run a recipe's passes in order, verify after each, keep the last good model.
 
-For every step: clone the last good model, run the pass on the clone, tag the nodes it created
-(``graphopt.PASS_TAG``), verify (structure always unless ``verify='off'``; numerics against the
-previous model's outputs for lossless passes, against the input model's outputs under the budget for
-lossy ones). A failed pass is rolled back and recorded; the run stops there unless ``keep_going``.
+For every step: clone the last good model, run the pass on the clone with a read-only
+:class:`~graphopt.registry.PassContext`, read what it reports from its
+:class:`~graphopt.registry.PassResult`, tag the nodes it created (``graphopt.PASS_TAG``), verify
+(structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
+passes, against the input model's outputs under the budget for lossy ones).
+
+A failed pass is rolled back and recorded. After a lossless pass the recipe goes on without it (a
+warning; ``strict`` stops the run and fails it instead); after a lossy pass the run stops and fails
+unless ``keep_going``.
 """
 
 from __future__ import annotations
@@ -42,14 +47,6 @@ class Result:
         return self.report.ok
 
 
-def _split_feeds(calib: list) -> tuple[list, list]:
-    """Calibration feeds are split: first part for calibration, the rest held back for checks."""
-    if len(calib) < 2:
-        return calib, calib
-    k = max(1, len(calib) // 2)
-    return calib[:k], calib[k:]
-
-
 def _node_ids(model: ir.Model) -> set[int]:
     ids = {id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
     for f in model.functions.values():
@@ -78,6 +75,7 @@ def optimize(
     provider: str = "cpu",
     verify_level: str = "numeric",
     keep_going: bool = False,
+    strict: bool = False,
     require_budget: bool = False,
     debug_dir: str | os.PathLike | None = None,
     explain: bool = False,
@@ -86,7 +84,7 @@ def optimize(
     """Run ``recipe`` (default: the builtin default recipe, or ``passes``) on ``model``.
 
     Returns the last good model and the report; never raises for a pass that fails verification
-    (the report says, and ``Result.ok`` is False). Raises GraphoptError for bad usage or input.
+    (the report says; ``Result.ok`` is False when a lossy pass failed, or any pass under ``strict``). Raises GraphoptError for bad usage or input.
     A lossy pass is verified against ``budget``, or its own ``default_budget`` when none is given;
     with ``require_budget`` a lossy pass that could not meet the budget (and so kept the model as
     it was) also fails the run.
@@ -106,8 +104,7 @@ def optimize(
         recipe = recipe_mod.from_pass_list(passes) if passes else recipe_mod.default()
     if overrides:
         recipe.apply_overrides(overrides)
-    recipe.validate()
-    instances = [registry.create(s.pass_name, s.options) for s in recipe.steps]
+    instances = recipe.build()
 
     src = ""
     if not isinstance(model, ir.Model):
@@ -126,7 +123,7 @@ def optimize(
         all_feeds = [dict(f) for f in feeds]
     else:
         all_feeds = feeds_mod.generate(model) if verify_level == "numeric" else []
-    calib_feeds, check_feeds = _split_feeds(list(all_feeds))
+    calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
     held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
     report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
 
@@ -154,7 +151,7 @@ def optimize(
         rec.nodes_before = count_nodes(good)
         ops_before = op_histogram(good)
         step_budget = budget if (budget or p.exact) else parse_budget(p.default_budget)
-        p.context = registry.PassContext(
+        ctx = registry.PassContext(
             provider=provider,
             feeds=check_feeds,
             calib_feeds=calib_feeds,
@@ -164,20 +161,20 @@ def optimize(
         work = good.clone()
         before_ids = _node_ids(work)
         t0 = time.perf_counter()
+        result: registry.PassResult | None = None
         try:
-            result = p(work)
-            candidate = result.model
+            result = p(work, ctx)
             rec.modified = bool(result.modified)
         except GraphoptError as e:
             rec.status, rec.error = "error", e.message
-            candidate = None
         except Exception as e:  # a bug or an unexpected graph: report it, keep the last good model
             logger.debug("pass %s raised", p.name, exc_info=True)
             rec.status, rec.error = "error", f"{type(e).__name__}: {e}"
-            candidate = None
+        candidate = result.model if result is not None else None
         rec.seconds = time.perf_counter() - t0
-        rec.notes = list(p.context.notes)
-        rec.rule_counts = dict(p.context.rule_counts)
+        if result is not None:
+            rec.notes = list(result.notes)
+            rec.rule_counts = dict(result.rule_counts)
         if candidate is not None and rec.modified:
             if candidate is work:
                 _tag_new_nodes(candidate, before_ids, p.name)
@@ -209,7 +206,7 @@ def optimize(
                     _dump_pair(Path(debug_dir), i, p.name, good, candidate)
         elif candidate is not None:
             rec.verification = {"level": "skipped (unchanged)"}
-        if candidate is not None and not p.exact and p.context.budget_met is False:
+        if result is not None and not p.exact and result.budget_met is False:
             rec.notes.append(f"budget {step_budget} not met; the model is kept as it was before {p.name!r}")
             if require_budget:
                 rec.status = "budget-not-met"
@@ -223,8 +220,11 @@ def optimize(
             rec.op_delta = op_delta(ops_before, op_histogram(good))
         report.passes.append(rec)
         if rec.status != "ok":
+            blocking = strict or not (p.exact or keep_going)
+            if p.exact and not strict:
+                rec.notes.append(f"rolled back: the recipe went on without {p.name!r} (--strict fails the run instead)")
             logger.warning("pass %s %s: %s", p.name, rec.status, rec.error)
-            if not keep_going:
+            if blocking:
                 report.ok = False
                 break
 
@@ -234,8 +234,6 @@ def optimize(
         from graphopt.metrics import compare
 
         report.final = compare(prev_out, reference, all_feeds).summary()
-    if report.failed() and not keep_going:
-        report.ok = False
     report.seconds = time.perf_counter() - t_start
     return Result(good, report)
 

@@ -26,7 +26,7 @@ from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewritePass
 
 from graphopt.errors import VerificationError
 from graphopt.opsets import default_opset
-from graphopt.registry import GraphoptPass, register
+from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.verify import check_structure
 
 logger = logging.getLogger(__name__)
@@ -98,10 +98,10 @@ class Cleanup(GraphoptPass):
         self.fold_output_size_limit = fold_output_size_limit
         self.iterations = iterations
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         opset = default_opset(model)
         if opset >= MIN_RULES_OPSET or not self.fold_constants:
-            return self._run(model, self.fold_constants)
+            return PassResult(model, self._run(model, self.fold_constants))
         # Below opset 18 onnxscript's folder can emit current-opset forms (e.g. Unsqueeze with an
         # axes input at opset 11): try on a copy, keep it only if it is still a valid model.
         # (The trial runs twice on success; models this old are small.)
@@ -110,11 +110,12 @@ class Cleanup(GraphoptPass):
         try:
             check_structure(trial, where="cleanup trial")
         except VerificationError as e:
-            self.context.notes.append(f"constant folding skipped at opset {opset}: {e.message}")
-            return self._run(model, False)
-        return self._run(model, True)
+            return PassResult(model, self._run(model, False),
+                              notes=[f"constant folding skipped at opset {opset}: {e.message}"])
+        return PassResult(model, self._run(model, True))
 
-    def _run(self, model: ir.Model, fold: bool) -> ir.passes.PassResult:
+    def _run(self, model: ir.Model, fold: bool) -> bool:
+        """Run the cleanup passes on ``model`` in place; whether anything changed."""
         loop: list[ir.passes.PassBase] = []
         if fold:
             loop.append(
@@ -152,7 +153,7 @@ class Cleanup(GraphoptPass):
         for p in passes:
             r = p(model)
             modified = modified or r.modified
-        return ir.passes.PassResult(model, modified)
+        return modified
 
 
 register(Cleanup)

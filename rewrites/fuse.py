@@ -38,7 +38,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from graphopt.opsets import default_opset
-from graphopt.registry import GraphoptPass, register
+from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _prepare(model: ir.Model) -> str | None:
     return annotate_symbolic_shapes(model)
 
 
-def _steps(opts: FusePass) -> list[tuple[str, Any]]:
+def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
     """(rule family, onnxscript RewriteRuleSet or callable) in the order they must run."""
     from onnxscript.rewriter.ort_fusions import (
         attention,
@@ -153,15 +153,15 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
     if opts.attention:
         # an SDPA left without a MultiHeadAttention form is expanded into MultiHeadAttention + reshapes
         steps.append(("sdpa_via_mha", sdpa_via_mha._rules))
-    if opts.layer_norm and _sum_form(opts):
+    if opts.layer_norm and _sum_form(opts, provider):
         steps.append(("residual_norm", ResidualNormStep()))
     return steps
 
 
-def _sum_form(opts: FusePass) -> bool:
+def _sum_form(opts: FusePass, provider: str) -> bool:
     """Whether residual LayerNorms end as Sum + LayerNormalization (CPU) or SkipLayerNormalization."""
     if opts.skip_norm == "auto":
-        return opts.context.provider != "cuda"
+        return provider != "cuda"
     return opts.skip_norm == "sum"
 
 
@@ -255,26 +255,26 @@ class FusePass(GraphoptPass):
         self.gqa = gqa
         self.skip_norm = skip_norm
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         from onnxscript.optimizer import optimize
 
         opset = default_opset(model)
         if opset < MIN_OPSET:
-            self.context.notes.append(f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is")
-            return ir.passes.PassResult(model, modified=False)
+            return PassResult(model, False, notes=[f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is"])
+        notes: list[str] = []
         reason = _prepare(model)
         if reason:
             logger.info("fuse: %s; TorchScript-style attention may stay unfused", reason)
-            if self.context.explain:
-                self.context.notes.append(f"fuse: shapes: {reason}")
+            if ctx.explain:
+                notes.append(f"fuse: shapes: {reason}")
         counts: dict[str, int] = {}
-        steps = _steps(self)
+        steps = _steps(self, ctx.provider)
         misses: list[str] = []
         for rule_name, step in steps:
             n = _apply(step, model)
             if n:
                 counts[rule_name] = n
-            elif self.context.explain:
+            elif ctx.explain:
                 # traced right away: the graph is the one the rule just failed on, so nothing matches
                 why = _why_not(step, model, rule_name)
                 if why:
@@ -282,24 +282,22 @@ class FusePass(GraphoptPass):
         if not counts:
             # nothing fused: report unmodified so the pipeline keeps the graph exactly as it was
             # (the preparation above folded constants and inferred shapes on this working copy)
-            if self.context.explain:
-                self.context.notes.extend(_explain(model, misses))
-            return ir.passes.PassResult(model, modified=False)
+            if ctx.explain:
+                notes.extend(_explain(model, misses))
+            return PassResult(model, False, notes=notes)
         optimize(model, inline=False)
         folded = _fold_weight_concats(model)
         if folded:
             counts["fold_weight_concat"] = folded
         common_passes.RemoveUnusedNodesPass()(model)
-        for k, v in counts.items():
-            self.context.rule_counts[k] = v
-        if self.context.explain:
-            self.context.notes.extend(_explain(model, misses))
+        if ctx.explain:
+            notes.extend(_explain(model, misses))
             if not self.gqa and any(n.op_type == "MultiHeadAttention" for n in model.graph):
-                self.context.notes.append(
+                notes.append(
                     "fuse: gqa: GroupQueryAttention not tried (option gqa=false): it replaces the attention "
                     "mask by per-row lengths, exact only for right-padded batches; MultiHeadAttention used"
                 )
-        return ir.passes.PassResult(model, modified=True)
+        return PassResult(model, True, notes=notes, rule_counts=counts)
 
 
 def _fold_weight_concats(model: ir.Model) -> int:

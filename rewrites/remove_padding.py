@@ -19,7 +19,7 @@ the ``N`` real tokens plus one scratch row (a copy of the first real token, see 
       graph output: [1,N+1,H] --unpack--> [B,S,H] with padded positions set to 0
               or, with ``packed_output=True``, [N,H]: the real tokens in row-major (batch, position) order
 
-With ``--provider cuda`` (``context.provider == "cuda"``), fused attention instead runs as
+With ``--provider cuda`` (``ctx.provider == "cuda"``), fused attention instead runs as
 com.microsoft ``PackedMultiHeadAttention`` on the packed rows (no padding outside the op)::
 
     q, k, v [1,N+1,H] --Squeeze--> [N+1,H] --PackedMultiHeadAttention(bias, token_offset, cu)--> [N+1,Hv] --Unsqueeze-->
@@ -30,7 +30,7 @@ its own), which is exact for any padding side or holes because a key padding mas
 where in the row the keys are. The op masks by sequence lengths only, so it is used only when the
 attention op's mask is the attention mask input itself (through Cast/Identity) and there is no
 attention bias; otherwise that op keeps the CPU formulation (length groups), with the reason in
-``context.notes``. ONNX Runtime has no CPU kernel for the op: the pipeline verifies such a model on
+the result's notes. ONNX Runtime has no CPU kernel for the op: the pipeline verifies such a model on
 CPU through a standard-op stand-in (``graphopt/standins.py``), and ``tools/cuda_checks.py`` checks
 the CUDA kernel on a GPU. ``packed_attention=False`` keeps the CPU formulation on CUDA too.
 ORT's CUDA kernel takes float and float16. In float32 its fused kernels (TensorRT, flash) are off
@@ -57,7 +57,7 @@ Grouped attention keeps the original bias values of every real (query, key) pair
 ``[B|1,1,S,S]`` bias or ``[B,S]`` key mask into the group layout) and gives filler keys the float32
 minimum, so each real query sees exactly the same keys with the same scores.
 
-Refuses (model unchanged, reason in ``context.notes``) when: there is no rank-2 attention-mask input
+Refuses (model unchanged, reason in the result's notes) when: there is no rank-2 attention-mask input
 or its batch/sequence dimensions are static; the graph is packed already; the opset is below 15; the graph has subgraphs (If/Loop/Scan); the model cannot be probed; nothing is
 token-wise; a value leaving the packed region reaches an op that mixes positions outside attention
 (e.g. mean pooling, a ReduceSum over the sequence, CLS pooling or a token shift by Gather/Slice/Concat
@@ -75,7 +75,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.opsets import default_opset
-from graphopt.registry import GraphoptPass, register
+from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
 from ._packing import GroupIndex, PackedAttentionIndex, PackIndex, const_ints, probe_labels
 
@@ -662,15 +662,12 @@ class RemovePadding(GraphoptPass):
         #: at all) where that is exact; False keeps the length groups of MultiHeadAttention
         self.packed_attention = packed_attention
 
-    def _note(self, text: str) -> None:
-        logger.info("%s: %s", self.name, text)
-        self.context.notes.append(text)  # the report prefixes the pass name
+    def _refuse(self, model: ir.Model, reason: str) -> PassResult:
+        logger.info("%s: not applied: %s", self.name, reason)
+        return PassResult(model, False, notes=[f"not applied: {reason}"])  # the report prefixes the pass name
 
-    def _refuse(self, model: ir.Model, reason: str) -> ir.passes.PassResult:
-        self._note(f"not applied: {reason}")
-        return ir.passes.PassResult(model, modified=False)
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        notes: list[str] = []
         graph = model.graph
         mask = _find_mask(graph)
         if mask is None:
@@ -689,7 +686,7 @@ class RemovePadding(GraphoptPass):
             labels = probe_labels(model, mask)
         except Exception as e:  # the model cannot run on probe feeds: nothing can be proven
             return self._refuse(model, f"cannot probe dimensions ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-        cuda = self.context.provider == "cuda"
+        cuda = ctx.provider == "cuda"
         planner = _Planner(model, mask, labels, groups=max(0, int(self.attention_groups)),
                            packed_attention=cuda and bool(self.packed_attention))
         try:
@@ -704,34 +701,34 @@ class RemovePadding(GraphoptPass):
                 if reason is None:
                     packed_attention.add(id(node))
                 else:
-                    self._note(f"{node.op_type} {node.name or node.outputs[0].name!r} runs as MultiHeadAttention per "
+                    notes.append(f"{node.op_type} {node.name or node.outputs[0].name!r} runs as MultiHeadAttention per "
                                f"length group, not PackedMultiHeadAttention: {reason}")
             for node, reason in planner.unpacked_attention.values():
-                self._note(f"{node.op_type} {node.name or node.outputs[0].name!r} stays on the padded batch "
+                notes.append(f"{node.op_type} {node.name or node.outputs[0].name!r} stays on the padded batch "
                            f"(attention_groups=0), not PackedMultiHeadAttention: {reason}")
-        self._rewrite(model, planner, packed_attention)
+        self._rewrite(model, planner, packed_attention, ctx.provider)
         if packed_attention:
             model.opset_imports.setdefault(_MS, 1)
-            self._note(f"{len(packed_attention)} attention op(s) run as com.microsoft PackedMultiHeadAttention, "
+            notes.append(f"{len(packed_attention)} attention op(s) run as com.microsoft PackedMultiHeadAttention, "
                        "which ONNX Runtime implements for CUDA only: the model runs on the CUDA provider, not on CPU")
         graph_io = {v.name for v in model.graph.inputs} | {v.name for v in model.graph.outputs}
         for name, value in list(model.graph.initializers.items()):
             if not value.uses() and name not in graph_io:  # e.g. a QKV weight now split in three
                 model.graph.initializers.pop(name)
         grouped = len(attention) - len(packed_attention)
-        self.context.rule_counts["packed_ops"] = len(planner.packed_nodes) - len(attention)
+        counts = {"packed_ops": len(planner.packed_nodes) - len(attention)}
         if grouped:
-            self.context.rule_counts["grouped_attention"] = grouped
+            counts["grouped_attention"] = grouped
         if packed_attention:
-            self.context.rule_counts["packed_attention"] = len(packed_attention)
+            counts["packed_attention"] = len(packed_attention)
         logger.info("remove-padding: %d ops run on packed tokens, %d attention ops grouped by length, "
                     "%d PackedMultiHeadAttention", len(planner.packed_nodes) - len(attention), grouped,
                     len(packed_attention))
-        return ir.passes.PassResult(model, modified=True)
+        return PassResult(model, True, notes=notes, rule_counts=counts)
 
     # ------------------------------------------------------------ rewrite
 
-    def _rewrite(self, model: ir.Model, plan: _Planner, packed_attention: set[int]) -> None:
+    def _rewrite(self, model: ir.Model, plan: _Planner, packed_attention: set[int], provider: str) -> None:
         graph = model.graph
         tape = ir.tape.Tape()
         index = PackIndex(tape, plan.mask)
@@ -756,7 +753,7 @@ class RemovePadding(GraphoptPass):
                 # CPU: Sum + LayerNormalization, as `fuse` ends residual norms there (the CPU
                 # SkipLayerNormalization kernel is the slow one; see rewrites/fuse_residual_norm.py)
                 outs = _emit_embed(tape, index, node, inputs,
-                                   sum_norm=self.context.provider != "cuda" and default_opset(model) >= 17)
+                                   sum_norm=provider != "cuda" and default_opset(model) >= 17)
             elif node.domain == _MS and node.op_type in ("MultiHeadAttention", "Attention"):
                 if id(node) in packed_attention:
                     if pidx is None:

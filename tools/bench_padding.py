@@ -96,25 +96,25 @@ def build_variants(src: Path, extra_groups: tuple[int, ...] = ()) -> dict[str, o
     from graphopt import registry
 
     out: dict[str, object] = {"padded": ir.load(src)}
-    have_fuse = "fuse" in registry.all_passes(include_hidden=True)
+    have_fuse = "fuse" in registry.all_passes()
     if have_fuse:
         m = ir.load(src)
         registry.create("fuse")(m)
         out["fused"] = m
     m = ir.load(src)
-    p = registry.create("remove-padding")
-    if p(m).modified:
+    res = registry.create("remove-padding")(m)
+    if res.modified:
         out["rp-unfused"] = m
     else:
-        logger.warning("remove-padding refused the export: %s", p.context.notes)
+        logger.warning("remove-padding refused the export: %s", res.notes)
     if have_fuse:
         m = ir.load(src)
         registry.create("fuse")(m)
-        p = registry.create("remove-padding")
-        if p(m).modified:
+        res = registry.create("remove-padding")(m)
+        if res.modified:
             out["rp-fused"] = m
         else:
-            logger.warning("remove-padding refused the fused model: %s", p.context.notes)
+            logger.warning("remove-padding refused the fused model: %s", res.notes)
         for g in extra_groups:  # other attention layouts, for comparison
             m = ir.load(src)
             registry.create("fuse")(m)

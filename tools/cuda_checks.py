@@ -96,9 +96,7 @@ def _cuda_pass(name: str, model, **options):
     """Run pass ``name`` on ``model`` as ``optimize --provider cuda`` does (provider in its context)."""
     from graphopt import registry
 
-    p = registry.create(name, options)
-    p.context = registry.PassContext(provider="cuda")
-    return p(model)
+    return registry.create(name, options)(model, registry.PassContext(provider="cuda"))
 
 
 def _workload(n: int, seed: int) -> tuple[list[np.ndarray], str]:

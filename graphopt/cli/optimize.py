@@ -33,7 +33,8 @@ def command(
     provider: Provider = "cpu",
     verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
     report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here.")] = None,
-    keep_going: Annotated[bool, typer.Option("--keep-going", help="Roll back a failing pass and continue (exit 0).")] = False,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="Also after a lossy pass that fails: roll it back and continue (exit 0).")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 3 (no output) when any pass is rolled back, lossless ones included.")] = False,
     require_budget: Annotated[bool, typer.Option("--require-budget", help="Exit 3 when a lossy pass cannot meet the budget (default: it keeps the model as it was and says so).")] = False,
     debug_dir: Annotated[Path | None, typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
@@ -44,14 +45,15 @@ def command(
     """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.
 
     Every pass is verified (ONNX checker, shape inference, an ONNX Runtime session, numeric parity
-    with the model before it). A pass that fails is rolled back; the run exits 3 and writes no
-    output unless --keep-going.
+    with the model before it). A lossless pass that fails is rolled back and the recipe goes on
+    without it (a warning; --strict: exit 3, no output). A lossy pass that fails (budget not met)
+    stops the run: exit 3, no output, unless --keep-going.
     """
     from rich.console import Console
 
     from graphopt import io, pipeline
     from graphopt import recipe as recipe_mod
-    from graphopt.errors import EXIT_VERIFY, UsageError
+    from graphopt.errors import UsageError, VerificationError
     from graphopt.metrics import parse_budget
 
     if output is None and not in_place:
@@ -75,12 +77,17 @@ def command(
             provider=provider,
             verify_level=verify,
             keep_going=keep_going,
+            strict=strict,
             require_budget=require_budget,
             debug_dir=debug_dir,
             explain=explain,
             on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"),
         )
     rep = result.report
+    for failed in rep.failed():
+        if result.ok:
+            console.print(f"[bold yellow]warning:[/] pass {failed.name!r} {failed.status}: {failed.error}; "
+                          "the output is written without it (--strict fails instead)", highlight=False)
     if result.ok:
         io.save(result.model, out, external_data=external_data, src=model, in_place=in_place)
         rep.output = str(out)
@@ -89,8 +96,11 @@ def command(
     if not quiet:
         rep.render(Console())
     if not result.ok:
-        failed = rep.failed()[0]
-        console.print(f"[bold red]error:[/] pass {failed.name!r} {failed.status}: {failed.error}", highlight=False)
-        console.print("[dim]hint: no output written; --keep-going writes the model without that pass, "
-                      "--debug-dir saves the before/after pair[/]", highlight=False)
-        raise typer.Exit(EXIT_VERIFY)
+        failed = rep.failed()[-1]
+        lossy = not failed.exact and not keep_going
+        raise VerificationError(
+            f"pass {failed.name!r} {failed.status}: {failed.error}",
+            hint="no output written; " + ("--keep-going writes the model without that pass" if lossy
+                                          else "without --strict the model is written without that pass")
+            + ", --debug-dir saves the before/after pair",
+        )
