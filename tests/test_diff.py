@@ -91,6 +91,33 @@ def test_layernorm_fusion_regions(rename_outputs):
     assert names_b["mm2"]["status"] == names_b["mm3"]["status"] == "unchanged"
 
 
+def test_regions_hold_typed_node_ids():
+    """Matching and regions work on NodeId(side, index); the JSON ids are their "a12" / "b7" form."""
+    from graphopt.diff.matching import NodeId, Side, match_graphs
+    from graphopt.diff.regions import find_regions
+
+    a, b = _ir(dm.mlp_ln()), _ir(dm.mlp_ln(fused=True))
+    m = match_graphs(a.graph, b.graph)
+    regions = find_regions(m)
+    assert len(regions) == 2
+    for region in regions:
+        assert all(isinstance(n, NodeId) and n.side is Side.A for n in region.a_nodes)
+        assert all(isinstance(n, NodeId) and n.side is Side.B for n in region.b_nodes)
+        assert [m.node(n).op_type for n in region.b_nodes] == ["LayerNormalization"]
+        d = region.as_dict()
+        assert d["a_nodes"] == [f"a{n.index}" for n in region.a_nodes]
+        assert d["b_nodes"] == [f"b{n.index}" for n in region.b_nodes]
+    assert str(NodeId(Side.B, 7)) == "b7" and NodeId(Side.A, 3) != NodeId(Side.B, 3)
+    # the JSON records are in graph order, so the id's index names the node
+    r = diff_models(a, b)
+    for side in Side:
+        nodes = m.nodes(side)
+        for k, rec in enumerate(r.graphs[side.value]):
+            assert rec["id"] == str(NodeId(side, k)) and rec["name"] == (nodes[k].name or "")
+    for pair in r.modified + [{"a": n["id"], "b": n["match"]} for n in r.graphs["a"] if n["match"]]:
+        assert pair["a"].startswith("a") and pair["b"].startswith("b")
+
+
 def test_fusion_is_numerically_clean():
     r = diff_models(_ir(dm.mlp_ln()), _ir(dm.mlp_ln(fused=True)), numeric=True)
     n = r.numeric
