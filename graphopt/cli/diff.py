@@ -34,7 +34,8 @@ def command(
 ) -> None:
     """Diff two ONNX models: rewritten regions and the passes that made them, op/initializer/IO/FLOP
     deltas, and with --numeric the first tensor that drifts beyond tolerance."""
-    from graphopt.diff import diff_models, output
+    from graphopt import io
+    from graphopt.diff import diff_models
     from graphopt.errors import UsageError
 
     if calib is not None and not numeric:
@@ -51,15 +52,15 @@ def command(
         if str(json_file) == "-":
             typer.echo(result.to_json())
         else:
-            output.write_text(json_file, result.to_json() + "\n")
+            io.write_atomic(json_file, result.to_json() + "\n")
     if html_file is not None:
         from graphopt.diff import html
 
-        output.write_text(html_file, html.render_html(result))
+        io.write_atomic(html_file, html.render_html(result))
     if mapping_file is not None:
         from graphopt.diff import mapping
 
-        output.write_text(mapping_file, mapping.to_json(result))
+        io.write_atomic(mapping_file, mapping.to_json(result))
     if not quiet and str(json_file) != "-":
         from graphopt.diff import terminal
 
