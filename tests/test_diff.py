@@ -191,9 +191,10 @@ def test_mapping_and_html_are_self_contained():
 
 def test_cli_outputs_and_exit_codes(files, tmp_path, run_cli):
     j, h, mp = tmp_path / "d.json", tmp_path / "d.html", tmp_path / "m.json"
-    code, out, err = run_cli("diff", files["a"], files["b"], "--json", j, "--html", h, "--mapping", mp)
+    code, out, err = run_cli("diff", files["a"], files["b"], "--report", j, "--html", h, "--mapping", mp)
     assert code == 0, err
     assert "2 regions" in out and "fuse" in out and "LayerNormalization" in out
+    assert f"JSON written to {j}" in out
     assert json.loads(j.read_text())["summary"]["regions"] == 2
     assert h.read_text().startswith("<!DOCTYPE html>")
     assert json.loads(mp.read_text())["mappingEntries"]
@@ -205,8 +206,21 @@ def test_cli_outputs_and_exit_codes(files, tmp_path, run_cli):
     assert code == 3
     code, _, _ = run_cli("diff", files["a"], files["b"], "--numeric", "--fail-on-drift")
     assert code == 0
-    code, out, _ = run_cli("diff", files["a"], files["b"], "--json", "-")
+    code, out, _ = run_cli("diff", files["a"], files["b"], "--json")
     assert code == 0 and json.loads(out)["schema_version"] == SCHEMA_VERSION
+
+
+def test_cli_json_is_a_flag_and_report_a_file(files, tmp_path, run_cli):
+    """--json prints the JSON diff (and nothing else) on stdout; --report FILE writes the same JSON."""
+    j, h = tmp_path / "d.json", tmp_path / "d.html"
+    code, out, err = run_cli("diff", files["a"], files["b"], "--json", "--report", j, "--html", h)
+    assert code == 0, err
+    assert json.loads(out) == json.loads(j.read_text())  # stdout is the JSON alone: no table, no "written to"
+    assert json.loads(out)["summary"]["regions"] == 2 and h.exists()
+    code, _, err = run_cli("diff", files["a"], files["b"], "--json", tmp_path / "old.json")
+    assert code == 2 and "old.json" in err and not (tmp_path / "old.json").exists()
+    code, out, _ = run_cli("diff", files["a"], files["b"], "--report", j, "-q")
+    assert code == 0 and out == "" and json.loads(j.read_text())["summary"]["regions"] == 2
 
 
 def test_cli_errors(files, tmp_path, run_cli):
@@ -230,7 +244,7 @@ def test_calib_feeds(files, tmp_path, run_cli):
     rng = np.random.default_rng(0)
     save_dir([{"x": rng.standard_normal((1, 3, dm.H)).astype(np.float32)}], tmp_path / "calib")
     j = tmp_path / "n.json"
-    code, _, err = run_cli("diff", files["a"], files["c"], "--numeric", "--calib", tmp_path / "calib", "--json", j)
+    code, _, err = run_cli("diff", files["a"], files["c"], "--numeric", "--calib", tmp_path / "calib", "--report", j)
     assert code == 0, err
     d = json.loads(j.read_text())
     assert d["numeric"]["feeds"] == 1 and d["numeric"]["first_divergence"]["node_name"] == "mm2"

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Budget, Calib, Provider
+from graphopt.cli.options import Budget, Calib, Provider, Quiet, Report
 
 EPILOG = """\
 Examples:
@@ -32,14 +32,14 @@ def command(
     budget: Budget = None,
     provider: Provider = "cpu",
     verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
-    report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here.")] = None,
+    report: Report = None,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Roll back a failing pass and continue (exit 0).")] = False,
     require_budget: Annotated[bool, typer.Option("--require-budget", help="Exit 3 when a lossy pass cannot meet the budget (default: it keeps the model as it was and says so).")] = False,
     debug_dir: Annotated[Path | None, typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No table on stdout.")] = False,
+    quiet: Quiet = False,
 ) -> None:
     """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.
 
@@ -51,7 +51,7 @@ def command(
 
     from graphopt import io, pipeline
     from graphopt import recipe as recipe_mod
-    from graphopt.errors import EXIT_VERIFY, UsageError
+    from graphopt.errors import UsageError, VerificationError
     from graphopt.metrics import parse_budget
 
     if output is None and not in_place:
@@ -90,7 +90,6 @@ def command(
         rep.render(Console())
     if not result.ok:
         failed = rep.failed()[0]
-        console.print(f"[bold red]error:[/] pass {failed.name!r} {failed.status}: {failed.error}", highlight=False)
-        console.print("[dim]hint: no output written; --keep-going writes the model without that pass, "
-                      "--debug-dir saves the before/after pair[/]", highlight=False)
-        raise typer.Exit(EXIT_VERIFY)
+        raise VerificationError(f"pass {failed.name!r} {failed.status}: {failed.error}",
+                                hint="no output written; --keep-going writes the model without that pass, "
+                                     "--debug-dir saves the before/after pair")
