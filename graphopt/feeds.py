@@ -167,6 +167,16 @@ def generate(
     return feeds
 
 
+def for_model(model: ir.Model, calib: str | os.PathLike | None = None, **generate_options) -> list[Feed]:
+    """Feeds for ``model``: the ``calib`` folder's, checked against its inputs, or (without one)
+    generated from its signature (``generate_options`` go to :func:`generate`)."""
+    if calib is None:
+        return generate(model, **generate_options)
+    feeds = load_dir(calib)
+    check_against(model, feeds)
+    return feeds
+
+
 def _is_mask(name: str) -> bool:
     low = name.lower()
     return "mask" in low

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
@@ -92,11 +91,10 @@ class Report:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, p)
+        """Write the JSON report to ``path`` atomically (``graphopt.io.write_atomic``)."""
+        from graphopt import io
+
+        io.write_atomic(path, self.to_json())
 
     def render(self, console=None) -> None:
         """Print the per-pass table with rich."""

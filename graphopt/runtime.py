@@ -5,6 +5,7 @@ CUDA is used when asked for and available; otherwise CPU, with the reason logged
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import tempfile
@@ -18,7 +19,15 @@ from graphopt.errors import RuntimeSetupError
 
 logger = logging.getLogger(__name__)
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+class Provider(enum.StrEnum):
+    """The execution providers graphopt targets; members equal their strings (``Provider.CUDA == "cuda"``)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+#: provider -> ONNX Runtime execution provider name (keys equal the plain strings "cpu", "cuda")
+PROVIDERS = {Provider.CPU: "CPUExecutionProvider", Provider.CUDA: "CUDAExecutionProvider"}
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -52,6 +52,17 @@ def _print_error(e: GraphoptError) -> None:
         err.print(f"[dim]hint: {e.hint}[/]", markup=True)
 
 
+def _is_usage_error(e: Exception) -> bool:
+    """A usage error of the click that typer (0.2x and later) vendors: it has ``show`` and an exit code,
+    and is not a ``click`` exception."""
+    try:
+        from typer.exceptions import TyperException
+    except ImportError:  # older typer raises click's own exceptions
+        return False
+    return isinstance(e, TyperException) and callable(getattr(e, "show", None)) and isinstance(
+        getattr(e, "exit_code", None), int)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -74,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # click usage errors
         import click
 
-        if isinstance(e, click.exceptions.ClickException):
+        if isinstance(e, click.exceptions.ClickException) or _is_usage_error(e):
             e.show()
             code = e.exit_code
         elif isinstance(e, click.exceptions.Exit):

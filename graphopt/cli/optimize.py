@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Budget, Calib, Provider
+from graphopt.cli.options import Budget, Calib, Provider, Quiet, Report
 
 EPILOG = """\
 Examples:
@@ -32,7 +32,7 @@ def command(
     budget: Budget = None,
     provider: Provider = "cpu",
     verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
-    report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here.")] = None,
+    report: Report = None,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Also after a lossy pass that fails: roll it back and continue (exit 0).")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 3 (no output) when any pass is rolled back, lossless ones included.")] = False,
     require_budget: Annotated[bool, typer.Option("--require-budget", help="Exit 3 when a lossy pass cannot meet the budget (default: it keeps the model as it was and says so).")] = False,
@@ -40,7 +40,7 @@ def command(
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No table on stdout.")] = False,
+    quiet: Quiet = False,
 ) -> None:
     """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.
 

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from graphopt import runtime
+
 Calib = Annotated[
     Path | None,
     typer.Option("--calib", help="Folder of .npz feeds (input name -> array), e.g. from `graphopt feeds`."),
@@ -15,6 +17,14 @@ Budget = Annotated[
     list[str] | None,
     typer.Option("--budget", help="Accuracy budget such as 'cosine>=0.99' (repeatable)."),
 ]
-Provider = Annotated[str, typer.Option("--provider", help="Execution provider to target: cpu or cuda.")]
+Provider = Annotated[
+    runtime.Provider,
+    typer.Option("--provider", help="Execution provider to target.", case_sensitive=False),
+]
+#: ``--json`` is a flag everywhere: JSON on stdout; a file goes through ``--report FILE``
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 Threads = Annotated[int, typer.Option("--threads", help="ORT intra-op threads.")]
+Report = Annotated[Path | None, typer.Option("--report", help="Write the JSON report to FILE.", metavar="FILE")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No report on stdout.")]
+Atol = Annotated[float, typer.Option("--atol", help="Absolute tolerance: outputs may differ by atol + rtol*|reference|.")]
+Rtol = Annotated[float, typer.Option("--rtol", help="Relative tolerance (see --atol).")]
