@@ -203,8 +203,8 @@ def test_optimize_failure_goes_through_the_common_handler(run_cli, mlp_path, tmp
     assert code == 3 and not out.exists()
     assert err.strip().splitlines() == [
         "error: pass 'fuse' rolled-back: verification failed: max_abs 0.5",
-        "hint: no output written; --keep-going writes the model without that pass, --debug-dir saves the "
-        "before/after pair",
+        "hint: no output written; without --strict the model is written without that pass, --debug-dir saves "
+        "the before/after pair",
     ]
     code, _, err = run_cli("--debug", "optimize", mlp_path, "-o", out, "-q")
     assert code == 3 and "VerificationError" in err  # raised, not printed by the command
