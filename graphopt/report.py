@@ -85,7 +85,7 @@ class Report:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["schema_version"] = SCHEMA_VERSION
-        return _finite(d)
+        return json_safe(d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -153,15 +153,18 @@ def _fmt_verif(v: dict) -> str:
     return " ".join(parts)
 
 
-def _finite(obj):
-    if isinstance(obj, float):
-        if math.isnan(obj):
+def json_safe(x: Any) -> Any:
+    """``x`` with NaN/inf floats as strings, numpy scalars as Python numbers and keys as strings (for JSON)."""
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, float):
+        if math.isnan(x):
             return "nan"
-        if math.isinf(obj):
-            return "inf" if obj > 0 else "-inf"
-        return obj
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return json_safe(x.item())
+    return x
