@@ -178,6 +178,9 @@ def optimize(
         rec.seconds = time.perf_counter() - t0
         rec.notes = list(p.context.notes)
         rec.rule_counts = dict(p.context.rule_counts)
+        if candidate is not None and isinstance(result, registry.PassResult):  # TEMP protocol shim
+            rec.notes += result.notes
+            rec.rule_counts.update(result.rule_counts)
         if candidate is not None and rec.modified:
             if candidate is work:
                 _tag_new_nodes(candidate, before_ids, p.name)

@@ -57,6 +57,15 @@ class PassContext:
     budget_met: bool | None = None
 
 
+@dataclasses.dataclass
+class PassResult(ir.passes.PassResult):
+    """TEMP protocol shim (issue 11): what a pass reports travels in its result."""
+
+    notes: list[str] = dataclasses.field(default_factory=list)
+    rule_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    budget_met: bool | None = None
+
+
 class GraphoptPass(ir.passes.InPlacePass):
     """Base class of every graphopt pass (see the module docstring)."""
 
@@ -74,6 +83,11 @@ class GraphoptPass(ir.passes.InPlacePass):
     def __init__(self) -> None:
         super().__init__()
         self.context = PassContext()
+
+    def __call__(self, model, ctx: PassContext | None = None):  # TEMP protocol shim
+        if len(inspect.signature(self.call).parameters) == 2:
+            return self.call(model, ctx if ctx is not None else self.context)
+        return super().__call__(model)
 
     @classmethod
     def summary(cls) -> str:
