@@ -23,6 +23,7 @@ from graphopt.contrib import (
 
 from .index import GroupIndex, PackedAttentionIndex, PackIndex, const_ints
 from .plan import AttentionStrategy, Mode, Plan, Step, splittable_attention
+from .probe import Dim
 
 #: additive bias of filler key slots in grouped attention (exp underflows to exactly 0)
 _FILL = float(np.finfo(np.float32).min)
@@ -231,7 +232,7 @@ class _Attention:
         if kpm is None and attn_bias is None:
             raise AssertionError("the plan admits only masked attention")
         hv = self.plan.labels(node.outputs[0])[2]
-        lead_batch = attn_bias is not None and self.plan.labels(attn_bias)[0] == "B"
+        lead_batch = attn_bias is not None and self.plan.labels(attn_bias)[0] == Dim.B
         parts = []
         for g in range(groups.groups):
             ins = attention_input_list(

@@ -89,11 +89,11 @@ class Plan:
         return sum(1 for s in self.steps if s.attention is strategy)
 
 
-def norm_axis(axis: int, rank: int) -> int:
+def _norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def static_weights(labels: DimLabels, weights: ir.Value | None) -> bool:
+def _static_weights(labels: DimLabels, weights: ir.Value | None) -> bool:
     """A ``[hidden, width]`` weight with static dims."""
     w = labels(weights)
     return w is not None and len(w) == 2 and all(isinstance(d, int) for d in w)
@@ -110,7 +110,7 @@ def splittable_attention(node: ir.Node, labels: DimLabels) -> bool:
     if not is_attention(node, "Attention") or not _stateless(node):
         return False
     a = attention_inputs(node)
-    if not static_weights(labels, a.weights):
+    if not _static_weights(labels, a.weights):
         return False
     # 3-D/4-D masks have no MultiHeadAttention key_padding_mask form
     return a.mask_index is None or labels.rank(a.mask_index) in (1, 2)
@@ -223,9 +223,9 @@ class _Planner:
                 return None
             return [bcast, param]
         if op in _NORMS:
-            return [bcast] + [param] * (n - 1) if norm_axis(a.get_int("axis", -1), r) >= 2 else None
+            return [bcast] + [param] * (n - 1) if _norm_axis(a.get_int("axis", -1), r) >= 2 else None
         if op in ("Softmax", "LogSoftmax"):
-            return [bcast] if norm_axis(a.get_int("axis", -1), r) >= 2 else None
+            return [bcast] if _norm_axis(a.get_int("axis", -1), r) >= 2 else None
         if op == "Gather":
             idx = self.lab(node.inputs[1])
             if a.get_int("axis", 0) != 0 or idx is None or len(idx) < 2:
@@ -235,15 +235,15 @@ class _Planner:
             perm = a.get_ints("perm")
             return [bcast] if perm is not None and list(perm[:2]) == [0, 1] else None
         if op == "Concat":
-            return [bcast] * n if norm_axis(a.get_int("axis"), r) >= 2 else None
+            return [bcast] * n if _norm_axis(a.get_int("axis"), r) >= 2 else None
         if op == "Split":
-            return [bcast] + [param] * (n - 1) if norm_axis(a.get_int("axis", 0), r) >= 2 else None
+            return [bcast] + [param] * (n - 1) if _norm_axis(a.get_int("axis", 0), r) >= 2 else None
         if op in _REDUCE:
             axes = a.get_ints("axes")
             if axes is None and n > 1 and node.inputs[1] is not None:
                 c = node.inputs[1].const_value
                 axes = None if c is None else [int(x) for x in c.numpy().reshape(-1)]
-            if not axes or self.lab.rank(node.inputs[0]) != r or any(norm_axis(int(x), r) < 2 for x in axes):
+            if not axes or self.lab.rank(node.inputs[0]) != r or any(_norm_axis(int(x), r) < 2 for x in axes):
                 return None
             return [bcast] + [param] * (n - 1)
         return None
@@ -275,7 +275,7 @@ class _Planner:
             return None
         own, param, skip = Mode.OWN, Mode.PARAM, Mode.SKIP
         if node.op_type == "Attention":
-            if self.token_major(a.input) != 3 or not static_weights(self.lab, a.weights):
+            if self.token_major(a.input) != 3 or not _static_weights(self.lab, a.weights):
                 return None
             modes = (own, param, param, skip, skip, skip)
         else:
@@ -445,7 +445,7 @@ class _Planner:
             if sm.inputs[0] is None or id(sm.inputs[0]) not in self.mask_derived:
                 raise Refusal(f"Softmax {sm.name!r} does not depend on the attention mask")
             rank = self.lab.rank(sm.inputs[0])
-            if norm_axis(sm.attributes.get_int("axis", -1), rank) != rank - 1:
+            if _norm_axis(sm.attributes.get_int("axis", -1), rank) != rank - 1:
                 raise Refusal(f"Softmax {sm.name!r} is not over the last (key) axis")
         for att in attention:
             a = attention_inputs(att)
