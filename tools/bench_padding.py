@@ -102,19 +102,19 @@ def build_variants(src: Path, extra_groups: tuple[int, ...] = ()) -> dict[str, o
         registry.create("fuse")(m)
         out["fused"] = m
     m = ir.load(src)
-    p = registry.create("remove-padding")
-    if p(m).modified:
+    result = registry.create("remove-padding")(m)
+    if result.modified:
         out["rp-unfused"] = m
     else:
-        logger.warning("remove-padding refused the export: %s", p.context.notes)
+        logger.warning("remove-padding refused the export: %s", result.notes)
     if have_fuse:
         m = ir.load(src)
         registry.create("fuse")(m)
-        p = registry.create("remove-padding")
-        if p(m).modified:
+        result = registry.create("remove-padding")(m)
+        if result.modified:
             out["rp-fused"] = m
         else:
-            logger.warning("remove-padding refused the fused model: %s", p.context.notes)
+            logger.warning("remove-padding refused the fused model: %s", result.notes)
         for g in extra_groups:  # other attention layouts, for comparison
             m = ir.load(src)
             registry.create("fuse")(m)
