@@ -33,6 +33,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.contrib import attention_inputs
 from graphopt.opsets import default_opset
 
 logger = logging.getLogger(__name__)
@@ -131,15 +132,15 @@ def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
                         bias_add = user
             out.append(Target(_key(node), "matmul", node, x, w, bias_add))
         elif node.op_type == "Attention" and node.domain == MS:
-            w = node.inputs[1] if len(node.inputs) > 1 else None
-            warr = _const(w)
+            a = attention_inputs(node)
+            warr = _const(a.weights)
             if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
                 continue
-            if any(v is not None for v in node.inputs[4:]) or not _plain_qkv(node, warr):
+            if a.past_state or a.attention_bias is not None or not _plain_qkv(node, warr):
                 continue
             if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
                 continue
-            out.append(Target(_key(node), "attention", node, node.inputs[0], w))
+            out.append(Target(_key(node), "attention", node, a.input, a.weights))
         elif embeddings and node.op_type == "Gather" and node.domain == "":
             warr = _const(node.inputs[0])
             if warr is None or warr.ndim != 2 or warr.dtype != np.float32 or warr.shape[0] < 2:
@@ -339,9 +340,10 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
             zv = b.init(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8))
-            bias_v = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] is not None else \
+            named = attention_inputs(node)
+            bias_v = named.bias if named.bias is not None else \
                 b.init(f"{pre}_bias", np.zeros(w.shape[1], np.float32))  # QAttention's bias is required
-            inputs = [xq, qv, bias_v, xs, sv, node.inputs[3] if len(node.inputs) > 3 else None, xz, zv]
+            inputs = [xq, qv, bias_v, xs, sv, named.mask_index, xz, zv]
             new = b.node(node, "QAttention", inputs, attrs, domain=MS, name=f"{pre}_qattn")
             _replace_output(g, node.outputs[0], new.outputs[0])
             g.remove(node, safe=True)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.contrib import attention_inputs
 from graphopt.rewrites._quant_calib import Stats
 from graphopt.rewrites._quant_qdq import MS, Target, fake_quant_act, quantize_weight
 
@@ -113,7 +114,8 @@ def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str
                     done = True
                     counts["smooth-fold-layernorm"] += 1
             elif prod.op_type == "Attention" and prod.domain == MS:
-                w_v, b_v = prod.inputs[1], prod.inputs[2] if len(prod.inputs) > 2 else None
+                a = attention_inputs(prod)
+                w_v, b_v = a.weights, a.bias
                 if w_v is not None and w_v.const_value is not None and len(w_v.uses()) == 1 and \
                         b_v is not None and b_v.const_value is not None and len(b_v.uses()) == 1:
                     w, b = w_v.const_value.numpy().copy(), b_v.const_value.numpy().copy()

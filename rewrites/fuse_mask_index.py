@@ -41,6 +41,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.contrib import attention_inputs
+
 from ._fuse_step import ReasonedStep
 
 logger = logging.getLogger(__name__)
@@ -154,13 +156,13 @@ class MaskIndexStep(ReasonedStep):
         for node in model.graph:
             if node.op_type != "Attention" or node.domain != "com.microsoft":
                 continue
-            ins = list(node.inputs) + [None] * max(0, 6 - len(node.inputs))
+            a = attention_inputs(node)
             label = f"Attention {node.name!r}"
-            if ins[3] is not None:
+            if a.mask_index is not None:
                 self.reasons.append(f"fuse: mask_index: {label} already has a mask_index")
-            elif any(v is not None for i, v in enumerate(ins) if i == 4 or i > 5):
+            elif a.past_state:
                 self.reasons.append(f"fuse: mask_index: {label} has past state or extra inputs")
-            elif ins[5] is None:
+            elif a.attention_bias is None:
                 self.reasons.append(f"fuse: mask_index: {label} has no attention bias")
             else:
                 sites.append(node)
@@ -170,7 +172,7 @@ class MaskIndexStep(ReasonedStep):
         verdict: dict[int, tuple[ir.Value, float] | str] = {}
         biases = {}
         for node in sites:
-            bias = node.inputs[5]
+            bias = attention_inputs(node).attention_bias
             if id(bias) in verdict or id(bias) in biases:
                 continue
             mask, why = _mask_source(bias, graph_inputs)
@@ -183,7 +185,7 @@ class MaskIndexStep(ReasonedStep):
         casts: dict[int, ir.Value] = {}
         count = 0
         for node in sites:
-            v = verdict[id(node.inputs[5])]
+            v = verdict[id(attention_inputs(node).attention_bias)]
             if isinstance(v, str):
                 self.reasons.append(f"fuse: mask_index: Attention {node.name!r}: {v}")
                 continue
