@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 _PASS_THROUGH = frozenset({"Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Reshape", "CastLike"})
 _COMPARE = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
 _STRIDED = frozenset({"Conv", "MaxPool", "AveragePool", "LpPool", "ConvInteger", "QLinearConv"})
+_SPATIAL = _STRIDED | {"ConvTranspose", "Resize", "Upsample", "GlobalAveragePool", "GlobalMaxPool", "Pad", "STFT", "DFT"}
 #: typical sizes tried for spatial dims (rounded up to the stride) and for audio sample dims
 IMAGE_SIZES = (224, 320, 640)
 AUDIO_SIZES = (512, 1024, 16000)
@@ -198,16 +199,18 @@ def _element_constants(v: ir.Value) -> list[int]:
 
 
 def spatial_stride(model: ir.Model, value: ir.Value) -> int:
-    """The largest cumulative stride of strided ops (Conv, pooling) downstream of ``value``."""
+    """The largest cumulative stride of strided ops (Conv, pooling) downstream of ``value``;
+    0 when no spatial op (convolution, pooling, resize, pad, STFT) is downstream at all."""
     stride = {id(value): 1}
-    best = 1
+    best, reached = 1, False
     for node in model.graph:  # graphs are stored in topological order
         ins = [stride[id(v)] for v in node.inputs if v is not None and id(v) in stride]
         if not ins:
             continue
         s = max(ins)
-        if _is_default_domain(node) and node.op_type in _STRIDED:
-            a = node.attributes.get("strides")
+        if _is_default_domain(node) and node.op_type in _SPATIAL:
+            reached = True
+            a = node.attributes.get("strides") if node.op_type in _STRIDED else None
             if a is not None:
                 try:
                     s *= max([int(x) for x in a.as_ints()] or [1])
@@ -217,7 +220,7 @@ def spatial_stride(model: ir.Model, value: ir.Value) -> int:
         best = max(best, s)
         for o in node.outputs:
             stride[id(o)] = s
-    return best
+    return best if reached else 0
 
 
 def spatial_axes(value: ir.Value) -> list[int]:

@@ -433,7 +433,9 @@ def _ladders(model: ir.Model, inputs: list[ir.Value], skip: set[str]) -> dict[st
             continue
         hints = feed_hints.dim_sizes(v)
         spatial = feed_hints.spatial_axes(v)
-        stride = feed_hints.spatial_stride(model, v) if any(a in keys for a in spatial) else 1
+        stride = feed_hints.spatial_stride(model, v) if any(a in keys for a in spatial) else 0
+        if not stride:  # no convolution, pooling, resize or pad downstream: not an image or a signal
+            spatial = []
         for axis, key in keys.items():
             lad = ladders.setdefault(key, [])
             lad.extend(hints.get(axis, []))
