@@ -438,6 +438,8 @@ def _ladders(model: ir.Model, inputs: list[ir.Value], skip: set[str]) -> dict[st
             spatial = []
         for axis, key in keys.items():
             lad = ladders.setdefault(key, [])
+            if isinstance(v.shape[axis], int) and v.shape[axis] == 0:
+                lad.append(0)  # ONNX Runtime holds a dim written as 0 to 0
             lad.extend(hints.get(axis, []))
             if axis in spatial and len(v.shape) == 2:
                 lad.extend(feed_hints.AUDIO_SIZES)
@@ -501,6 +503,7 @@ def runnable(
     """
     shapes = dict(shapes or {})
     values = dict(values or {})
+    base_sizes = dict(kwargs.pop("sizes", None) or {})
     check_overrides(model, shapes, values)
     if run is None:
         run = _session_runner(model)
@@ -508,7 +511,7 @@ def runnable(
     tried = []
     for sizes, vals in _candidates(model, shapes, values, max_tries):
         try:
-            feeds = generate(model, shapes=shapes, values=vals, sizes=sizes, **kwargs)
+            feeds = generate(model, shapes=shapes, values=vals, sizes={**base_sizes, **sizes}, **kwargs)
         except UsageError:
             raise
         except Exception as e:  # a candidate the generator cannot fill (e.g. a reshape it cannot size)

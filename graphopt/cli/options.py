@@ -18,3 +18,25 @@ Budget = Annotated[
 Provider = Annotated[str, typer.Option("--provider", help="Execution provider to target: cpu or cuda.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 Threads = Annotated[int, typer.Option("--threads", help="ORT intra-op threads.")]
+InputShape = Annotated[
+    list[str] | None,
+    typer.Option("--input-shape", metavar="NAME:D1,D2,...",
+                 help="Shape of an input in generated feeds, e.g. images:1,3,320,320 (repeatable)."),
+]
+InputValue = Annotated[
+    list[str] | None,
+    typer.Option("--input-value", metavar="NAME=V",
+                 help="Value of an input in generated feeds, e.g. sr=16000 or shape=1,3,1 (repeatable)."),
+]
+
+
+def feed_overrides(input_shape: list[str] | None, input_value: list[str] | None, calib: Path | None):
+    """Parsed ``--input-shape`` / ``--input-value`` ({name: dims}, {name: array}); usage errors name the problem."""
+    from graphopt import feeds
+    from graphopt.errors import UsageError
+
+    shapes, values = feeds.parse_input_shapes(input_shape), feeds.parse_input_values(input_value)
+    if calib is not None and (shapes or values):
+        raise UsageError("--input-shape/--input-value shape generated feeds; --calib gives the feeds",
+                         hint="use one or the other")
+    return shapes, values

@@ -7,20 +7,23 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Budget, Calib, Json, Provider
+from graphopt.cli.options import Budget, Calib, InputShape, InputValue, Json, Provider, feed_overrides
 
 
 def command(
     reference: Annotated[Path, typer.Argument(help="Reference model A.", show_default=False)],
     candidate: Annotated[Path, typer.Argument(help="Candidate model B.", show_default=False)],
     calib: Calib = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
     budget: Budget = None,
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance when no --budget is given.")] = 1e-4,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance when no --budget is given.")] = 1e-4,
     provider: Provider = "cpu",
     json_: Json = False,
 ) -> None:
-    """Run A and B on the same feeds (--calib or generated from A's signature) and compare their
+    """Run A and B on the same feeds (--calib, or generated to make A run; --input-shape and
+    --input-value fix an input's shape or value) and compare their
     outputs mask-aware. Exit 3 when the budget (or, without one, atol + rtol*|ref|) is not met.
 
     Example: graphopt verify model.onnx model.opt.onnx --calib feeds/ --budget 'cosine>=0.99'
@@ -37,12 +40,17 @@ def command(
     from graphopt.verify import run_model
 
     parsed = parse_budget(budget)
+    shapes, values = feed_overrides(input_shape, input_value, calib)
     a = io.load(reference)
     b = io.load(candidate)
-    feeds = feeds_mod.load_dir(calib) if calib is not None else feeds_mod.generate(a)
+    out_a = None
     if calib is not None:
+        feeds = feeds_mod.load_dir(calib)
         feeds_mod.check_against(a, feeds)
-    out_a = run_model(a, feeds, provider=provider)
+    else:  # generated feeds that make A run (A's outputs on them come along on CPU)
+        feeds, out_a = feeds_mod.runnable(a, shapes=shapes, values=values)
+    if out_a is None or provider != "cpu":
+        out_a = run_model(a, feeds, provider=provider)
     out_b = run_model(b, feeds, provider=provider)
     shared = [n for n in out_a[0] if n in out_b[0]] if out_a else []
     cmp = compare(out_b, out_a, feeds, atol=atol, rtol=rtol, outputs=shared)
