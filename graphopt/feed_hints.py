@@ -25,8 +25,11 @@ import onnx_ir as ir
 
 logger = logging.getLogger(__name__)
 
-#: ops that carry a value through unchanged in meaning (only their first input)
-_PASS_THROUGH = frozenset({"Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Reshape", "CastLike"})
+#: ops that carry a value's elements through (their first input): followed to find how it is consumed
+_PASS_THROUGH = frozenset({"Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Reshape", "CastLike", "Gather",
+                           "Slice", "Expand"})
+#: ops that keep a tensor's shape: followed to find what its dims are tied to
+_SAME_SHAPE = frozenset({"Cast", "Identity", "CastLike"})
 _COMPARE = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
 _STRIDED = frozenset({"Conv", "MaxPool", "AveragePool", "LpPool", "ConvInteger", "QLinearConv"})
 _SPATIAL = _STRIDED | {"ConvTranspose", "Resize", "Upsample", "GlobalAveragePool", "GlobalMaxPool", "Pad", "STFT", "DFT"}
@@ -49,8 +52,8 @@ def _is_default_domain(node: ir.Node) -> bool:
     return node.domain in ("", "ai.onnx")
 
 
-def _uses(value: ir.Value, depth: int = 6):
-    """(node, input index) consuming ``value``, looking through pass-through ops."""
+def _uses(value: ir.Value, depth: int = 6, through: frozenset[str] = _PASS_THROUGH):
+    """(node, input index) consuming ``value``, looking through the ops in ``through``."""
     frontier = [(value, 0)]
     seen = set()
     while frontier:
@@ -59,7 +62,7 @@ def _uses(value: ir.Value, depth: int = 6):
             continue
         seen.add(id(v))
         for node, idx in v.uses():
-            if _is_default_domain(node) and node.op_type in _PASS_THROUGH and idx == 0 and d < depth and node.outputs:
+            if _is_default_domain(node) and node.op_type in through and idx == 0 and d < depth and node.outputs:
                 frontier.append((node.outputs[0], d + 1))
             else:
                 yield node, idx
@@ -148,7 +151,7 @@ def dim_sizes(value: ir.Value) -> dict[int, list[int]]:
         if 0 < size <= _MAX_SIZE:
             out.setdefault(axis, []).append(size)
 
-    for node, idx in _uses(value):
+    for node, idx in _uses(value, through=_SAME_SHAPE):
         if not _is_default_domain(node):
             continue
         if node.op_type == "Shape" and idx == 0 and node.outputs:
@@ -174,7 +177,7 @@ def dim_sizes(value: ir.Value) -> dict[int, list[int]]:
 def _shape_element_constants(shape_out: ir.Value) -> list[tuple[int, int]]:
     """(axis, constant) pairs for ``Gather(Shape(x), k)`` compared with / divided by a constant."""
     pairs = []
-    for node, idx in _uses(shape_out):
+    for node, idx in _uses(shape_out, through=_SAME_SHAPE):
         if not _is_default_domain(node) or idx != 0 or not node.outputs:
             continue
         if node.op_type == "Gather":
@@ -203,7 +206,7 @@ def spatial_stride(model: ir.Model, value: ir.Value) -> int:
     0 when no spatial op (convolution, pooling, resize, pad, STFT) is downstream at all."""
     stride = {id(value): 1}
     best, reached = 1, False
-    for node in model.graph:  # graphs are stored in topological order
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):  # topological, subgraphs after their node
         ins = [stride[id(v)] for v in node.inputs if v is not None and id(v) in stride]
         if not ins:
             continue

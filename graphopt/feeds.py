@@ -421,9 +421,14 @@ class NoRunnableFeeds(GraphoptError):
         self.reason = reason
 
 
-def _ladders(model: ir.Model, inputs: list[ir.Value], skip: set[str]) -> dict[str, list[int]]:
-    """symbol -> alternative sizes to try after the default (graph constants, strides, typical sizes)."""
-    ladders: dict[str, list[int]] = {}
+def _ladders(model: ir.Model, inputs: list[ir.Value], skip: set[str]) -> dict[str, tuple[str, list[int]]]:
+    """symbol -> (group, alternative sizes to try after the default).
+
+    Group "spatial": image and signal extents of inputs that reach a convolution, pooling, resize
+    or pad (multiples of the chain's stride, typical image sizes, audio frame sizes); group "other":
+    batch-like dims (1) and the rest (graph constants, then 16 and 64).
+    """
+    ladders: dict[str, tuple[str, list[int]]] = {}
     for v in inputs:
         if v.shape is None or v.name in skip:
             continue
@@ -437,23 +442,28 @@ def _ladders(model: ir.Model, inputs: list[ir.Value], skip: set[str]) -> dict[st
         if not stride:  # no convolution, pooling, resize or pad downstream: not an image or a signal
             spatial = []
         for axis, key in keys.items():
-            lad = ladders.setdefault(key, [])
+            group = "spatial" if axis in spatial else "other"
+            lad = ladders.setdefault(key, (group, []))[1]
             if isinstance(v.shape[axis], int) and v.shape[axis] == 0:
                 lad.append(0)  # ONNX Runtime holds a dim written as 0 to 0
             lad.extend(hints.get(axis, []))
+            low = key.lower()
             if axis in spatial and len(v.shape) == 2:
                 lad.extend(feed_hints.AUDIO_SIZES)
             elif axis in spatial:
                 lad.extend(feed_hints.round_up(s, stride) for s in ((2 * stride,) if stride > 1 else ()) + feed_hints.IMAGE_SIZES)
-            elif axis == 0:
+            elif "batch" in low or low in ("n", "b") or (axis == 0 and ":" in key):
                 lad.append(1)
             else:
                 lad.extend((16, 64))
-    return {k: list(dict.fromkeys(v)) for k, v in ladders.items()}
+    return {k: (g, list(dict.fromkeys(v))) for k, (g, v) in ladders.items()}
 
 
 def _candidates(model: ir.Model, shapes, values, max_tries: int):
-    """(sizes, values) to try in order: the defaults first, then graph-informed alternatives."""
+    """(sizes, values) to try in order: the defaults first, then graph-informed alternatives, the
+    spatial dims, the other dims and the scalar values stepping along their ladders in turn."""
+    import itertools
+
     inputs = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
     ladders = _ladders(model, inputs, skip=set(shapes) | set(values))
     scalars: dict[str, list] = {}
@@ -464,12 +474,16 @@ def _candidates(model: ir.Model, shapes, values, max_tries: int):
             seen = feed_hints.compared_values(v)
             if seen:
                 scalars[v.name] = [*seen, None]  # None: the default value
-    n_dim = 1 + max((len(x) for x in ladders.values()), default=0)
-    n_val = max((len(x) for x in scalars.values()), default=1)
-    pairs = sorted(((i, j) for i in range(n_dim) for j in range(n_val)), key=lambda p: (p[0] + p[1], p[0]))
+    spans = [1 + max((len(lad) for g, lad in ladders.values() if g == grp), default=0) for grp in ("spatial", "other")]
+    spans.append(max((len(x) for x in scalars.values()), default=1))
+    steps = sorted(itertools.product(*(range(n) for n in spans)), key=lambda t: (sum(t), t))
     seen_sigs = set()
-    for i, j in pairs:
-        sizes = {} if i == 0 else {k: lad[min(i - 1, len(lad) - 1)] for k, lad in ladders.items() if lad}
+    for a, b, j in steps:
+        sizes = {}
+        for key, (group, lad) in ladders.items():
+            i = a if group == "spatial" else b
+            if i and lad:
+                sizes[key] = lad[min(i - 1, len(lad) - 1)]
         vals = dict(values)
         for name, lad in scalars.items():
             if lad[min(j, len(lad) - 1)] is not None:
@@ -490,7 +504,7 @@ def runnable(
     run=None,
     shapes: Mapping[str, Sequence[int]] | None = None,
     values: Mapping[str, np.ndarray] | None = None,
-    max_tries: int = 8,
+    max_tries: int = 10,
     **kwargs,
 ) -> tuple[list[Feed], list[dict[str, np.ndarray]]]:
     """Generated feeds that make ``model`` run, and its outputs on them.
