@@ -4,7 +4,13 @@ A calibration folder holds ``.npz`` files, each one feed (input name -> array), 
 Generated feeds respect what the graph says about its inputs: token ids stay below the vocabulary
 size read from the embedding table they index, masks are ones (plus a right-padded batch of mixed
 lengths), token types are zeros, position ids count up, and symbolic dimensions with the same name
-get the same size.
+get the same size. Dims written as ``-1``, ``0`` or nothing are symbols of their own (``INPUT:AXIS``).
+Integer inputs that are shapes or positions get values that fit the tensor they apply to.
+
+``runnable`` confirms generated feeds by running the model, trying a short ladder of candidates
+(the defaults first, then sizes and scalar values read from the graph by ``graphopt.feed_hints``);
+``--input-shape NAME:D1,D2,...`` and ``--input-value NAME=V`` (``parse_input_shapes``,
+``parse_input_values``, checked by ``check_overrides``) fix an input's shape or value.
 """
 
 from __future__ import annotations
