@@ -139,6 +139,27 @@ def _embedding(tmp_path):
     return _save(tmp_path, g)
 
 
+def _shape_tied(tmp_path):
+    """Reshape x[1, 3, n] to the constant [1, 3, 10] and check Shape(y)[1] == 5 for y[1, m]:
+    runs only with n == 10 and m == 5."""
+    nodes = [
+        _const("target", np.array([1, 3, 10], np.int64)),
+        h.make_node("Reshape", ["x", "target"], ["r"]),
+        h.make_node("Shape", ["y"], ["ys"]),
+        _const("one", np.array(1, np.int64)),
+        h.make_node("Gather", ["ys", "one"], ["m"]),
+        _const("five", np.array(5, np.int64)),
+        h.make_node("Equal", ["m", "five"], ["ok"]),
+        h.make_node("If", ["ok"], ["z"],
+                    then_branch=h.make_graph([h.make_node("Identity", ["r"], ["t_out"])], "then", [], [_out("t_out", 3)]),
+                    else_branch=h.make_graph([
+                        _const("table", np.zeros((2, 1, 1), np.float32)), _const("bad", np.array([7], np.int64)),
+                        h.make_node("Gather", ["table", "bad"], ["e_out"])], "else", [], [_out("e_out", 3)])),
+    ]
+    ins = [h.make_tensor_value_info("x", T.FLOAT, [1, 3, "n"]), h.make_tensor_value_info("y", T.FLOAT, [1, "m"])]
+    return _save(tmp_path, h.make_graph(nodes, "g", ins, [_out("z", 3)]))
+
+
 # ----------------------------------------------------------------- generation
 
 
@@ -185,6 +206,14 @@ def test_if_on_a_scalar_sample_rate_takes_the_compared_value(tmp_path):
     np.testing.assert_allclose(outs[0]["y"], 2 * feeds[0]["x"])
     res = pipeline.optimize(path)
     assert res.ok and res.report.numerics == "verified"
+
+
+def test_sizes_from_constants_the_shape_is_reshaped_to_and_compared_with(tmp_path):
+    path = _shape_tied(tmp_path)
+    model = io.load(path)
+    assert not _runs(path, feeds_mod.generate(model))
+    feeds, _ = feeds_mod.runnable(model)
+    assert feeds[0]["x"].shape == (1, 3, 10) and feeds[0]["y"].shape == (1, 5)
 
 
 def test_shape_input_of_reshape_fits_the_data(tmp_path):
