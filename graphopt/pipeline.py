@@ -29,7 +29,8 @@ from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, parse_budget
 from graphopt.report import PassRecord, Report, count_nodes, op_delta, op_histogram
-from graphopt.runtime import PROVIDERS
+from graphopt.runtime import PROVIDERS, make_session
+from graphopt.runtime import run as run_session
 from graphopt.verify import check_level, check_structure, run_model, verify
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ def optimize(
     overrides: Sequence[str] = (),
     feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
     calib: str | os.PathLike | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    input_values: Mapping[str, np.ndarray] | None = None,
     budget: Budget | str | Sequence[str] | None = None,
     provider: str = "cpu",
     verify_level: str = "numeric",
@@ -115,17 +118,18 @@ def optimize(
     report.nodes_before = count_nodes(model)
     report.ops_before = dict(op_histogram(model))
 
-    # feeds: calibration folder, given feeds, or generated from the signature
+    # feeds: calibration folder, given feeds, or generated from the signature (confirmed by running
+    # the input model); when no generated feed runs it, numerics go unverified and structure is checked
+    shapes, values = dict(input_shapes or {}), dict(input_values or {})
+    feeds_mod.check_overrides(model, shapes, values)
     if calib is not None:
         all_feeds = feeds_mod.load_dir(calib)
         feeds_mod.check_against(model, all_feeds)
     elif feeds is not None:
         all_feeds = [dict(f) for f in feeds]
     else:
-        all_feeds = feeds_mod.generate(model) if verify_level == "numeric" else []
-    calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
-    held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
-    report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
+        all_feeds = None
+    report.numerics = "verified" if verify_level == "numeric" else f"not checked (--verify {verify_level})"
 
     reference = None
     if verify_level != "off":
@@ -135,12 +139,28 @@ def optimize(
             check_structure(proto, where=f"input model {src or ''}".strip(), serialized=data)
             if verify_level == "numeric":
                 try:
-                    reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
+                    if all_feeds is not None:
+                        reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
+                    else:
+                        sess = make_session(data if data is not None else proto, provider="cpu", optimize=False)
+                        all_feeds, reference = feeds_mod.runnable(
+                            model, run=lambda fs: run_session(sess, fs), shapes=shapes, values=values)
+                except feeds_mod.NoRunnableFeeds as e:
+                    logger.warning("numerics unverified: %s; verifying structure only", e.reason)
+                    report.numerics = f"unverified: {e.reason}"
+                    verify_level = report.verify = "structure"
+                    all_feeds = []
                 except RuntimeSetupError as e:
+                    given = " on the given feeds" if all_feeds is not None else ""
                     raise VerificationError(
                         f"cannot verify numerically: {e.message}",
-                        hint="the input model does not run in ONNX Runtime; use --verify structure or off",
+                        hint=f"the input model does not run in ONNX Runtime{given}; use --verify structure or off",
                     ) from None
+    if all_feeds is None:
+        all_feeds = []
+    calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
+    held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
+    report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
 
     good = model
     prev_out = reference

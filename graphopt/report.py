@@ -69,6 +69,9 @@ class Report:
     verify: str = "numeric"
     provider: str = "cpu"
     feeds: str = ""
+    #: "verified", "unverified: <reason>" (no feed ran the input model: structure checked only),
+    #: or "not checked (--verify LEVEL)"
+    numerics: str = ""
     budget: str = ""
     passes: list[PassRecord] = dataclasses.field(default_factory=list)
     nodes_before: int = 0
@@ -130,6 +133,8 @@ class Report:
                 console.print(f"[dim]{p.name} rules: {rc}[/]", highlight=False)
             if p.error:
                 console.print(f"[red]{p.name}: {p.error}[/]", highlight=False)
+        if self.numerics.startswith("unverified"):
+            console.print(f"[yellow]numerics {self.numerics}[/]", highlight=False)
         summary = f"{self.nodes_before} → {self.nodes_after} nodes in {self.seconds:.2f} s"
         if self.final:
             summary += " · vs input: " + _fmt_verif(self.final)

@@ -242,12 +242,15 @@ def compare_models(
     atol: float = 1e-4,
     rtol: float = 1e-4,
     provider: str = "cpu",
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    values: Mapping[str, np.ndarray] | None = None,
 ) -> ModelComparison:
     """Run ``reference`` and ``candidate`` (models or paths) on the same feeds and compare their
     outputs mask-aware (``graphopt verify A B``).
 
     Feeds: ``feeds``, else the ``calib`` folder (checked against the reference's inputs), else
-    generated from the reference's signature. With a non-empty ``budget`` the budget decides;
+    generated to make the reference run (``shapes`` / ``values`` fix inputs; see
+    ``graphopt.feeds.runnable``). With a non-empty ``budget`` the budget decides;
     otherwise every element must be within ``atol + rtol*|ref|``. Outputs of the reference that the
     candidate lacks are failures. Raises GraphoptError for unreadable models, bad feeds or budgets.
     """
@@ -257,8 +260,15 @@ def compare_models(
         budget = parse_budget(budget)
     a = reference if isinstance(reference, ir.Model) else io.load(reference)
     b = candidate if isinstance(candidate, ir.Model) else io.load(candidate)
-    feeds = [dict(f) for f in feeds] if feeds is not None else feeds_mod.for_model(a, calib)
-    out_a = run_model(a, feeds, provider=provider)
+    out_a = None
+    if feeds is not None:
+        feeds = [dict(f) for f in feeds]
+    elif calib is not None:
+        feeds = feeds_mod.for_model(a, calib)
+    else:  # generated feeds that make A run (A's outputs on them come along, on CPU)
+        feeds, out_a = feeds_mod.runnable(a, shapes=shapes, values=values)
+    if out_a is None or provider != "cpu":
+        out_a = run_model(a, feeds, provider=provider)
     out_b = run_model(b, feeds, provider=provider)
     names_a = list(out_a[0]) if out_a else []
     shared = [n for n in names_a if n in out_b[0]]

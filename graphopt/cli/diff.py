@@ -11,7 +11,17 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Atol, Calib, Json, Quiet, Report, Rtol
+from graphopt.cli.options import (
+    Atol,
+    Calib,
+    InputShape,
+    InputValue,
+    Json,
+    Quiet,
+    Report,
+    Rtol,
+    feed_overrides,
+)
 from graphopt.errors import EXIT_VERIFY
 
 
@@ -20,6 +30,8 @@ def command(
     b: Annotated[Path, typer.Argument(help="Model B (after), an .onnx file.", metavar="B")],
     numeric: Annotated[bool, typer.Option("--numeric", help="Run both models and compare shared tensors.")] = False,
     calib: Calib = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
     json_: Json = False,
     report: Report = None,
     html_file: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report to FILE.",
@@ -45,11 +57,18 @@ def command(
         raise UsageError("--calib needs --numeric", hint="add --numeric to compare tensors on those feeds")
     if fail_on_drift and not numeric:
         raise UsageError("--fail-on-drift needs --numeric")
+    shapes, values = feed_overrides(input_shape, input_value, calib)
+    if (shapes or values) and not numeric:
+        raise UsageError("--input-shape/--input-value need --numeric")
     feeds = None
     if calib is not None:
         from graphopt.feeds import load_dir
 
         feeds = load_dir(calib)
+    elif shapes or values:  # generated feeds that make A run, with the given shapes and values
+        from graphopt.feeds import runnable
+
+        feeds, _ = runnable(io.load(a), shapes=shapes, values=values)
     result = diff_models(a, b, numeric=numeric, feeds=feeds, atol=atol, rtol=rtol)
     if report is not None:
         io.write_atomic(report, result.to_json() + "\n")

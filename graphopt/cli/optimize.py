@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Budget, Calib, Provider, Quiet, Report
+from graphopt.cli.options import (
+    Budget,
+    Calib,
+    InputShape,
+    InputValue,
+    Provider,
+    Quiet,
+    Report,
+    feed_overrides,
+)
 
 EPILOG = """\
 Examples:
@@ -19,6 +28,8 @@ Examples:
   graphopt optimize model.onnx -o out.onnx --set cleanup.cse=false --calib feeds/
 
   graphopt optimize model.onnx -o out.onnx --recipe my_recipe.toml --verify structure
+
+  graphopt optimize vad.onnx -o out.onnx --input-shape input:1,512 --input-value sr=16000
 """
 
 
@@ -29,6 +40,8 @@ def command(
     recipe: Annotated[str | None, typer.Option("--recipe", help="Recipe TOML file or builtin recipe name.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Pass option PASS.KEY=VALUE (repeatable).")] = None,
     calib: Calib = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
     budget: Budget = None,
     provider: Provider = "cpu",
     verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
@@ -62,6 +75,7 @@ def command(
     if passes and recipe:
         raise UsageError("--passes and --recipe are exclusive", hint="use one of them")
     parsed_budget = parse_budget(budget)
+    shapes, values = feed_overrides(input_shape, input_value, calib)
     io.check_output_path(model, out, in_place=in_place)
     rec = recipe_mod.load(recipe) if recipe else None
 
@@ -73,6 +87,8 @@ def command(
             passes=passes,
             overrides=set_ or [],
             calib=calib,
+            input_shapes=shapes,
+            input_values=values,
             budget=parsed_budget,
             provider=provider,
             verify_level=verify,

@@ -10,20 +10,33 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Atol, Budget, Calib, Json, Provider, Rtol
+from graphopt.cli.options import (
+    Atol,
+    Budget,
+    Calib,
+    InputShape,
+    InputValue,
+    Json,
+    Provider,
+    Rtol,
+    feed_overrides,
+)
 
 
 def command(
     reference: Annotated[Path, typer.Argument(help="Reference model A.", show_default=False)],
     candidate: Annotated[Path, typer.Argument(help="Candidate model B.", show_default=False)],
     calib: Calib = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
     budget: Budget = None,
     atol: Atol = 1e-4,
     rtol: Rtol = 1e-4,
     provider: Provider = "cpu",
     json_: Json = False,
 ) -> None:
-    """Run A and B on the same feeds (--calib or generated from A's signature) and compare their
+    """Run A and B on the same feeds (--calib, or generated to make A run; --input-shape and
+    --input-value fix an input's shape or value) and compare their
     outputs mask-aware. Exit 3 when the budget (or, without one, atol + rtol*|ref|) is not met.
 
     Example: graphopt verify model.onnx model.opt.onnx --calib feeds/ --budget 'cosine>=0.99'
@@ -37,7 +50,9 @@ def command(
     from graphopt.errors import EXIT_VERIFY
     from graphopt.verify import compare_models
 
-    res = compare_models(reference, candidate, calib=calib, budget=budget, atol=atol, rtol=rtol, provider=provider)
+    shapes, values = feed_overrides(input_shape, input_value, calib)
+    res = compare_models(reference, candidate, calib=calib, budget=budget, atol=atol, rtol=rtol, provider=provider,
+                         shapes=shapes, values=values)
     if json_:
         typer.echo(json.dumps(res.as_dict(), indent=2, default=str))
     else:
