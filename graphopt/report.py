@@ -15,6 +15,8 @@ from typing import Any
 
 import onnx_ir as ir
 
+from graphopt.opsets import node_domain
+
 SCHEMA_VERSION = 1
 
 
@@ -29,7 +31,7 @@ def op_histogram(graph_or_model: ir.Model | ir.Graph, recursive: bool = True) ->
 
 
 def op_key(node: ir.Node) -> str:
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+    return node.op_type if not node_domain(node) else f"{node.domain}::{node.op_type}"
 
 
 def count_nodes(model: ir.Model) -> int:

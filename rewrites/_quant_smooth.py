@@ -25,8 +25,9 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites._quant_calib import Stats
-from graphopt.rewrites._quant_qdq import MS, Target, fake_quant_act, quantize_weight
+from graphopt.rewrites._quant_qdq import Target, fake_quant_act, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str
         prod = x.producer()
         done = False
         if prod is not None and _only_read_by(x, readers) and x.index() == 0:
-            if prod.op_type in ("LayerNormalization", "SkipLayerNormalization") and prod.domain in ("", MS):
+            if prod.op_type in ("LayerNormalization", "SkipLayerNormalization") and prod.domain in ("", MS_DOMAIN):
                 gi, bi = (1, 2) if prod.op_type == "LayerNormalization" else (2, 3)
                 gamma = prod.inputs[gi].const_value.numpy() if prod.inputs[gi] is not None and \
                     prod.inputs[gi].const_value is not None else None
@@ -112,7 +113,7 @@ def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str
                         beta_v.const_value = ir.tensor(beta / s, name=beta_v.name)
                     done = True
                     counts["smooth-fold-layernorm"] += 1
-            elif prod.op_type == "Attention" and prod.domain == MS:
+            elif prod.op_type == "Attention" and prod.domain == MS_DOMAIN:
                 w_v, b_v = prod.inputs[1], prod.inputs[2] if len(prod.inputs) > 2 else None
                 if w_v is not None and w_v.const_value is not None and len(w_v.uses()) == 1 and \
                         b_v is not None and b_v.const_value is not None and len(b_v.uses()) == 1:

@@ -21,10 +21,15 @@ import logging
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-from onnxscript.optimizer import _constant_folding
-from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewritePass
+from onnxscript.rewriter import RewritePass
 
 from graphopt.errors import VerificationError
+from graphopt.onnxscript_compat import (
+    DEFAULT_REWRITE_RULES,
+    FOLD_INPUT_SIZE_LIMIT,
+    FOLD_OUTPUT_SIZE_LIMIT,
+    FoldConstantsPass,
+)
 from graphopt.opsets import default_opset
 from graphopt.registry import GraphoptPass, register
 from graphopt.verify import check_structure
@@ -85,8 +90,8 @@ class Cleanup(GraphoptPass):
         rewrite_rules: bool = True,
         cse: bool = True,
         inline: bool = False,
-        fold_input_size_limit: int = _constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-        fold_output_size_limit: int = _constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+        fold_input_size_limit: int = FOLD_INPUT_SIZE_LIMIT,
+        fold_output_size_limit: int = FOLD_OUTPUT_SIZE_LIMIT,
         iterations: int = 2,
     ):
         super().__init__()
@@ -118,7 +123,7 @@ class Cleanup(GraphoptPass):
         loop: list[ir.passes.PassBase] = []
         if fold:
             loop.append(
-                _constant_folding.FoldConstantsPass(
+                FoldConstantsPass(
                     shape_inference=True,
                     input_size_limit=self.fold_input_size_limit,
                     output_size_limit=self.fold_output_size_limit,
@@ -127,7 +132,7 @@ class Cleanup(GraphoptPass):
         opset = default_opset(model)
         if self.rewrite_rules and opset >= MIN_RULES_OPSET:
             # onnxscript's rules emit current-opset forms (e.g. Unsqueeze with an axes input)
-            loop.append(RewritePass(_DEFAULT_REWRITE_RULES))
+            loop.append(RewritePass(DEFAULT_REWRITE_RULES))
         loop += [
             _SafeIdentityElimination(),
             common.RemoveUnusedNodesPass(),

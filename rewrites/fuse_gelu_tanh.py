@@ -20,7 +20,10 @@ import logging
 import math
 
 import onnx_ir as ir
-from onnxscript.rewriter import _ir_utils, pattern
+from onnxscript.rewriter import pattern
+
+from graphopt.onnxscript_compat import get_singleton_value
+from graphopt.opsets import MS_DOMAIN
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class TanhGelu(pattern.RewriteRuleClassBase):
             return result.fail(f"input is {x.dtype}, not float/float16", x)
         for name, want in _CONSTS.items():
             v = kw[name]
-            got = _ir_utils.get_singleton_value(v)
+            got = get_singleton_value(v)
             if got is None:
                 return result.fail(f"{name} is not a scalar constant", v)
             if abs(float(got) - want) > 1e-6 * abs(want):
@@ -55,7 +58,7 @@ class TanhGelu(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, x, **_):
-        return op.FastGelu(x, _domain="com.microsoft")
+        return op.FastGelu(x, _domain=MS_DOMAIN)
 
 
 tanh_gelu_rules = pattern.RewriteRuleSet(

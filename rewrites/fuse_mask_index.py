@@ -41,6 +41,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.opsets import MS_DOMAIN
+
 from ._fuse_step import ReasonedStep
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ class MaskIndexStep(ReasonedStep):
         self.reasons = []
         sites = []
         for node in model.graph:
-            if node.op_type != "Attention" or node.domain != "com.microsoft":
+            if node.op_type != "Attention" or node.domain != MS_DOMAIN:
                 continue
             ins = list(node.inputs) + [None] * max(0, 6 - len(node.inputs))
             label = f"Attention {node.name!r}"

@@ -52,6 +52,7 @@ import onnx_ir as ir
 from graphopt import runtime, standins
 from graphopt.errors import UsageError
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
+from graphopt.opsets import MS_DOMAIN
 from graphopt.registry import GraphoptPass, register
 from graphopt.rewrites import _quant_calib as calib_mod
 from graphopt.rewrites import _quant_qdq as qdq
@@ -86,8 +87,8 @@ class QuantizePass(GraphoptPass):
     name = "quantize"
     default_budget = DEFAULT_BUDGET
     exact = False
-    emits = ("com.microsoft::DynamicQuantizeMatMul", "com.microsoft::MatMulIntegerToFloat",
-             "com.microsoft::QAttention", "com.microsoft::MatMulNBits")
+    emits = tuple(f"{MS_DOMAIN}::{op}" for op in ("DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention",
+                                                  "MatMulNBits"))
 
     def __init__(
         self,
