@@ -41,6 +41,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.errors import first_line
 from graphopt.opsets import MS_DOMAIN
 
 from ._fuse_step import ReasonedStep
@@ -241,7 +242,7 @@ def _evaluate(model: ir.Model, pairs: list[tuple[ir.Value, ir.Value]]) -> dict[i
         try:
             results = sess.run(names, feeds)
         except Exception as e:  # noqa: BLE001
-            return {id(b): f"evaluating the bias failed: {str(e).splitlines()[0]}" for b, _ in pairs}
+            return {id(b): f"evaluating the bias failed: {first_line(e)}" for b, _ in pairs}
         for (b, _mask), got in zip(pairs, results):
             if id(b) in failed:
                 continue
