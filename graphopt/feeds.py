@@ -9,7 +9,6 @@ get the same size.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,8 +17,6 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.errors import UsageError
-
-logger = logging.getLogger(__name__)
 
 Feed = dict[str, np.ndarray]
 

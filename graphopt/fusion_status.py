@@ -32,13 +32,9 @@ fully fused in that kind).
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 
 from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN, MS_DOMAIN
-
-logger = logging.getLogger(__name__)
 
 _ATTENTION_OPS = {
     "Attention",

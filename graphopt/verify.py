@@ -13,7 +13,6 @@ names the ops so replaced (``Verdict.stand_ins``). The CUDA kernels themselves a
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -24,8 +23,6 @@ import onnx_ir as ir
 from graphopt import io, runtime, standins
 from graphopt.errors import RuntimeSetupError, UsageError, VerificationError, first_line
 from graphopt.metrics import Budget, Comparison, compare
-
-logger = logging.getLogger(__name__)
 
 LEVELS = ("off", "structure", "numeric")
 

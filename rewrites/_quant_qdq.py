@@ -27,16 +27,12 @@ QAttention's default and are dropped), QDQ below opset 13.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN, default_opset
-
-logger = logging.getLogger(__name__)
-
 
 
 @dataclasses.dataclass

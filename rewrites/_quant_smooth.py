@@ -19,7 +19,6 @@ error on the sampled calibration rows.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import numpy as np
@@ -28,8 +27,6 @@ import onnx_ir as ir
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites._quant_calib import Stats
 from graphopt.rewrites._quant_qdq import Target, fake_quant_act, quantize_weight
-
-logger = logging.getLogger(__name__)
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85)
 

@@ -17,8 +17,6 @@ Subgraphs (If/Loop/Scan bodies) are cleaned recursively.
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript.rewriter import RewritePass
@@ -33,8 +31,6 @@ from graphopt.onnxscript_compat import (
 from graphopt.opsets import default_opset
 from graphopt.registry import GraphoptPass, register
 from graphopt.verify import check_structure
-
-logger = logging.getLogger(__name__)
 
 CUSTOM_DOMAIN = "ai.graphopt"
 #: onnxscript's rewrite rules are written for opset 18+; below it only folding and DCE run

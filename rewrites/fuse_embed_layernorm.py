@@ -19,16 +19,12 @@ the last axis; the tables' widths differ; or an intermediate sum is used elsewhe
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from graphopt.onnxscript_compat import check_shape_bool, get_numpy_value
 from graphopt.opsets import MS_DOMAIN
-
-logger = logging.getLogger(__name__)
 
 
 def _seq_len_source(ends: ir.Value) -> tuple[ir.Value, int] | None:

@@ -16,7 +16,6 @@ used outside the subgraph (rewriter rule).
 
 from __future__ import annotations
 
-import logging
 import math
 
 import onnx_ir as ir
@@ -24,8 +23,6 @@ from onnxscript.rewriter import pattern
 
 from graphopt.onnxscript_compat import get_singleton_value
 from graphopt.opsets import MS_DOMAIN
-
-logger = logging.getLogger(__name__)
 
 _CONSTS = {"three": 3.0, "c1": 0.044715, "c2": math.sqrt(2.0 / math.pi), "one": 1.0, "half": 0.5}
 

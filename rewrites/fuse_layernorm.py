@@ -19,16 +19,12 @@ subgraph (the rewriter refuses such matches).
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from graphopt.onnxscript_compat import get_numpy_value, get_singleton_value
 from graphopt.opsets import default_opset
-
-logger = logging.getLogger(__name__)
 
 _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
 

@@ -36,8 +36,6 @@ evaluation fails or gives a value that is not the standard form; the masked cons
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 
@@ -45,8 +43,6 @@ from graphopt.errors import first_line
 from graphopt.opsets import MS_DOMAIN
 
 from ._fuse_step import ReasonedStep
-
-logger = logging.getLogger(__name__)
 
 #: the masked value must be at least this negative to count as a padding mask
 MAX_FILTER = -1e4

@@ -29,15 +29,11 @@ for them are fused and vectorised; not measured here).
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN, default_opset
 
 from ._fuse_step import ReasonedStep
-
-logger = logging.getLogger(__name__)
 
 _SKIP_OPS = {"SkipLayerNormalization": "LayerNormalization", "SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization"}
 #: LayerNormalization is an ONNX op from opset 17

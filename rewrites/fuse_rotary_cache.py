@@ -26,16 +26,11 @@ the cos/sin Unsqueeze axis is not 1; the Concat is not ``(f, f)`` on the last ax
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from graphopt.onnxscript_compat import get_numpy_value, get_singleton_value
 from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN, MS_DOMAIN
-
-logger = logging.getLogger(__name__)
-
 
 
 def _positions(p: ir.Value) -> tuple[ir.Value, ir.Value | None] | str:
