@@ -52,6 +52,18 @@ def save_dir(feeds: Sequence[Mapping[str, np.ndarray]], path: str | os.PathLike,
     return p
 
 
+def split_feeds(feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[list, list]:
+    """(calibration, held back): the first half calibrates, the rest is held back for checks.
+
+    Fewer than two feeds cannot be split: the same feeds serve both (the same list object twice).
+    """
+    feeds = list(feeds)
+    if len(feeds) < 2:
+        return feeds, feeds
+    k = len(feeds) // 2
+    return feeds[:k], feeds[k:]
+
+
 def check_against(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]], source: str = "--calib") -> None:
     """Fail with a clear message when feeds lack a required model input or have the wrong rank."""
     required = [v for v in model.graph.inputs if v.name not in model.graph.initializers]

@@ -67,7 +67,6 @@ class QConfig:
     act_type: str = "u8"  # "u8" | "s8"
     fmt: str = "qop"  # "qop" | "qdq"
     smooth: np.ndarray | None = None  # SmoothQuant: W rows *= smooth (x /= smooth is done upstream)
-    act_div: np.ndarray | None = None  # static: x /= act_div inside a per-channel QuantizeLinear
     block_size: int = 32
     accuracy_level: int = 4
     int4_q: tuple[np.ndarray, np.ndarray] | None = None  # GPTQ result: (q uint8 [K,N] in 0..15, scales [nb,N])
@@ -254,17 +253,11 @@ def _quantize_activation(b: _Builder, t: Target, cfg: QConfig, anchor: ir.Node) 
         return tuple(n.outputs)
     lo, hi = cfg.act_range
     s, zp = act_qparams(lo, hi, cfg.act_type)
-    div = None if cfg.act_div is None else cfg.act_div.astype(np.float32)
-    key = ("st", id(x), float(s), int(zp), cfg.act_type, None if div is None else div.tobytes())
+    key = ("st", id(x), float(s), int(zp), cfg.act_type)
     if key not in b.shared_q:
         sv = b.init(f"{x.name}_scale", np.array(s, dtype=np.float32))
         zv = b.init(f"{x.name}_zp", zp)
-        if div is None:
-            n = b.node(anchor, "QuantizeLinear", [x, sv, zv], name=f"{x.name}_q")
-        else:  # quantizing x / div with scale s == per-channel scale s * div (SmoothQuant without a Mul)
-            sv_c = b.init(f"{x.name}_scale_c", (s * div).astype(np.float32))
-            zv_c = b.init(f"{x.name}_zp_c", np.full(div.shape, zp, dtype=zp.dtype))
-            n = b.node(anchor, "QuantizeLinear", [x, sv_c, zv_c], {"axis": -1}, name=f"{x.name}_q")
+        n = b.node(anchor, "QuantizeLinear", [x, sv, zv], name=f"{x.name}_q")
         b.shared_q[key] = (n.outputs[0], sv, zv)
     return b.shared_q[key]
 

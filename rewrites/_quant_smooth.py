@@ -74,17 +74,13 @@ def _only_read_by(v: ir.Value, nodes: set[int]) -> bool:
     return not v.is_graph_output() and all(id(u[0]) in nodes for u in v.uses())
 
 
-def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str, np.ndarray],
-                    no_mul: frozenset[str] = frozenset(), folded: set[str] | None = None) -> dict[str, int]:
+def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Divide each smoothed activation by its factors (fold or Mul); updates ``Target.act``.
 
     ``factors`` maps activation value name -> s. Weight scaling happens in ``_quant_qdq.apply``
-    (QConfig.smooth). Activations in ``no_mul`` that cannot be folded are left alone (the caller
-    divides them inside a per-channel QuantizeLinear instead). Returns the counts; the names of
-    folded activations are added to ``folded`` when given.
+    (QConfig.smooth). Returns the counts of each way used.
     """
     g = model.graph
-    folded = set() if folded is None else folded
     counts = {"smooth-fold-layernorm": 0, "smooth-fold-attention-v": 0, "smooth-mul": 0}
     groups: dict[str, list[Target]] = {}
     for t in targets:
@@ -123,11 +119,7 @@ def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str
                         b_v.const_value = ir.tensor(b, name=b_v.name)
                         done = True
                         counts["smooth-fold-attention-v"] += 1
-        if done:
-            folded.add(name)
-        elif name in no_mul:
-            counts["smooth-in-quantizelinear"] = counts.get("smooth-in-quantizelinear", 0) + 1
-        else:
+        if not done:
             inv_name = f"{name}_smooth_inv"
             t = ir.tensor((1.0 / s).astype(np.float32), name=inv_name)
             inv = ir.Value(name=inv_name, shape=ir.Shape(s.shape), type=ir.TensorType(t.dtype), const_value=t)

@@ -109,12 +109,10 @@ def _rules(bias: bool) -> list:
     for axes_input in (True, False):
         for square in ("pow", "mul"):
             for divide in (True, False):
-                if True:
-                    name = f"layer_norm_{'axes_in' if axes_input else 'axes_attr'}_{square}_{'div' if divide else 'recip'}"
-                    name += "_bias" if bias else ""
-                    rule = DecomposedLayerNorm.rule(name, axes_input=axes_input, square=square, divide=divide,
-                                                    bias=bias)
-                    rules.append(rule)  # canonical rules have put constants second already
+                name = f"layer_norm_{'axes_in' if axes_input else 'axes_attr'}_{square}_{'div' if divide else 'recip'}"
+                name += "_bias" if bias else ""
+                rule = DecomposedLayerNorm.rule(name, axes_input=axes_input, square=square, divide=divide, bias=bias)
+                rules.append(rule)  # canonical rules have put constants second already
     return rules
 
 

@@ -51,6 +51,7 @@ import onnx_ir as ir
 
 from graphopt import runtime, standins
 from graphopt.errors import UsageError
+from graphopt.feeds import split_feeds
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
 from graphopt.opsets import MS_DOMAIN
 from graphopt.registry import GraphoptPass, register
@@ -145,9 +146,6 @@ class QuantizePass(GraphoptPass):
         self._whole_table_dq = mode == "int4" or emb != "auto"
         self.block_size, self.accuracy_level, self.int4_method = block_size, accuracy_level, int4_method
         self.sensitivity_feeds, self.sensitivity = sensitivity_feeds, sensitivity
-        #: x / s inside a per-channel QuantizeLinear instead of a Mul: exact, but ORT 1.32's per-axis
-        #: QuantizeLinear on CPU measured ~10x slower than Mul + per-tensor QuantizeLinear (MiniLM)
-        self.smooth_in_quantizelinear = False
 
     # ------------------------------------------------------------ helpers
 
@@ -169,26 +167,14 @@ class QuantizePass(GraphoptPass):
         targets = qdq.find_targets(model, embeddings=self.embeddings)
         counts: dict[str, int] = {}
         if factors:
-            # static qop: an unfoldable x / s goes into a per-channel QuantizeLinear (no Mul), valid
-            # when every reader of x is such a target
-            readers: dict[str, list[Target]] = {}
-            for t in targets:
-                if t.act is not None:
-                    readers.setdefault(t.act.name, []).append(t)
-            no_mul = frozenset(
-                n for n, ts in readers.items()
-                if self.smooth_in_quantizelinear and n in factors
-                and all(t.key in plan and plan[t.key].mode == "static" and plan[t.key].fmt == "qop" for t in ts))
-            folded: set[str] = set()
-            counts.update(smooth_mod.apply_smoothing(model, targets, factors, no_mul, folded))
-            for t in targets:
-                name = t.act.name if t.act is not None else None
-                if name in no_mul and name not in folded:
-                    plan[t.key].act_div = factors[name]
+            # x / s is folded into the producer or done by a Mul: x / s inside a per-channel QuantizeLinear
+            # is exact too, but ORT 1.32's per-axis QuantizeLinear on CPU measured ~10x slower than Mul +
+            # per-tensor QuantizeLinear (MiniLM)
+            counts.update(smooth_mod.apply_smoothing(model, targets, factors))
             # float-kept readers of a smoothed (folded or Mul) activation get their weights scaled (exact)
             for t in targets:
                 name = t.act.name if t.act is not None else None
-                if name in factors and t.key not in plan and name not in no_mul:
+                if name in factors and t.key not in plan:
                     s = factors[name]
                     t.weight.const_value = ir.tensor(t.weight_array * s.reshape(-1, 1), name=t.weight.name)
         counts.update(qdq.apply(model, targets, plan))
@@ -537,9 +523,8 @@ def quantize_model(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]], *
     from graphopt.registry import PassContext
 
     p = QuantizePass(**options)
-    feeds = list(feeds)
-    k = max(1, len(feeds) // 2)
-    p.context = PassContext(provider=provider, feeds=feeds[k:] or feeds, calib_feeds=feeds[:k],
+    calib, held = split_feeds(feeds)
+    p.context = PassContext(provider=provider, feeds=held, calib_feeds=calib,
                             budget=parse_budget(budget) if budget else None)
     p(model)
     return model, p.context.notes
