@@ -88,7 +88,7 @@ class Report:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["schema_version"] = SCHEMA_VERSION
-        return _finite(d)
+        return json_safe(d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -157,7 +157,9 @@ def _fmt_verif(v: dict) -> str:
     return " ".join(parts)
 
 
-def _finite(obj):
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats as strings ("nan", "inf", "-inf"), numpy scalars as Python
+    numbers, tuples as lists and dict keys as strings, so ``json.dumps`` writes standard JSON."""
     if isinstance(obj, float):
         if math.isnan(obj):
             return "nan"
@@ -165,7 +167,9 @@ def _finite(obj):
             return "inf" if obj > 0 else "-inf"
         return obj
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:  # numpy scalars
+        return json_safe(obj.item())
     return obj
