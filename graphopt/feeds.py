@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt import feed_hints
-from graphopt.errors import GraphoptError, UsageError
+from graphopt.errors import GraphoptError, UsageError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,18 @@ def save_dir(feeds: Sequence[Mapping[str, np.ndarray]], path: str | os.PathLike,
             np.savez(fh, **{k: np.asarray(v) for k, v in feed.items()})
         os.replace(tmp, p / f"{prefix}_{i:0{width}d}.npz")
     return p
+
+
+def split_feeds(feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[list, list]:
+    """(calibration, held back): the first half calibrates, the rest is held back for checks.
+
+    Fewer than two feeds cannot be split: the same feeds serve both (the same list object twice).
+    """
+    feeds = list(feeds)
+    if len(feeds) < 2:
+        return feeds, feeds
+    k = len(feeds) // 2
+    return feeds[:k], feeds[k:]
 
 
 def check_against(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]], source: str = "--calib") -> None:
@@ -350,19 +362,6 @@ def describe(feeds: Sequence[Mapping[str, np.ndarray]]) -> str:
 
 
 
-
-def split_feeds(feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[list, list]:
-    """Calibration feeds and the feeds held back for checks: the first half, then the rest.
-
-    Fewer than two feeds: both are all of them (nothing can be held back).
-    """
-    feeds = list(feeds)
-    if len(feeds) < 2:
-        return feeds, feeds
-    k = max(1, len(feeds) // 2)
-    return feeds[:k], feeds[k:]
-
-
 # ------------------------------------------------------------- overrides
 
 
@@ -563,7 +562,7 @@ def runnable(
         try:
             outs = run(feeds)
         except Exception as e:
-            msg = getattr(e, "message", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+            msg = getattr(e, "message", None) or first_line(e)
             first_error = first_error or msg
             logger.info("feeds %s do not run the model: %s", tried[-1], msg)
             continue

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from graphopt.errors import ModelLoadError, ModelSaveError
+from graphopt.errors import ModelLoadError, ModelSaveError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
         raise ModelLoadError(
-            f"{path}: not a valid ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse failed'})",
+            f"{path}: not a valid ONNX model ({type(e).__name__}: {first_line(e, default='parse failed')})",
             hint="the file may be truncated or not an ONNX protobuf",
         ) from None
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):

@@ -14,6 +14,8 @@ from typing import Any
 
 import onnx_ir as ir
 
+from graphopt.opsets import node_domain
+
 SCHEMA_VERSION = 1
 
 
@@ -28,7 +30,7 @@ def op_histogram(graph_or_model: ir.Model | ir.Graph, recursive: bool = True) ->
 
 
 def op_key(node: ir.Node) -> str:
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+    return node.op_type if not node_domain(node) else f"{node.domain}::{node.op_type}"
 
 
 def count_nodes(model: ir.Model) -> int:
@@ -158,18 +160,19 @@ def _fmt_verif(v: dict) -> str:
     return " ".join(parts)
 
 
-def json_safe(x: Any) -> Any:
-    """``x`` with NaN/inf floats as strings, numpy scalars as Python numbers and keys as strings (for JSON)."""
-    if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    if isinstance(x, float):
-        if math.isnan(x):
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats as strings ("nan", "inf", "-inf"), numpy scalars as Python
+    numbers, tuples as lists and dict keys as strings, so ``json.dumps`` writes standard JSON."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
             return "nan"
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        return x
-    if hasattr(x, "item") and callable(x.item):  # numpy scalars
-        return json_safe(x.item())
-    return x
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:  # numpy scalars
+        return json_safe(obj.item())
+    return obj

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.errors import RuntimeSetupError
+from graphopt.errors import RuntimeSetupError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def make_session(
             src, tmp = _model_bytes_or_file(model)
         sess = ort.InferenceSession(src, sess_options=so, providers=providers)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         from graphopt.standins import STAND_INS  # the CUDA-only ops graphopt emits
 
         hint = None

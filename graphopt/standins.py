@@ -32,10 +32,10 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.contrib import attention_inputs
+from graphopt.opsets import MS_DOMAIN
 
 logger = logging.getLogger(__name__)
 
-_MS = "com.microsoft"
 
 #: where the CUDA kernels are checked on a GPU (named in reports)
 GPU_CHECK = "tools/cuda_checks.py"
@@ -180,7 +180,7 @@ def _packed_mha(t: ir.tape.Tape, node: ir.Node) -> ir.Value:
 
 
 #: (domain, op_type) -> stand-in builder; ops with no CPU kernel in ONNX Runtime
-STAND_INS = {(_MS, "PackedMultiHeadAttention"): _packed_mha}
+STAND_INS = {(MS_DOMAIN, "PackedMultiHeadAttention"): _packed_mha}
 
 
 def cuda_only_ops(model: ir.Model) -> list[str]:

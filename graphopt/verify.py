@@ -13,7 +13,6 @@ names the ops so replaced (``Verdict.stand_ins``). The CUDA kernels themselves a
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -22,10 +21,8 @@ import onnx
 import onnx_ir as ir
 
 from graphopt import io, runtime, standins
-from graphopt.errors import RuntimeSetupError, UsageError, VerificationError
+from graphopt.errors import RuntimeSetupError, UsageError, VerificationError, first_line
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
-
-logger = logging.getLogger(__name__)
 
 LEVELS = ("off", "structure", "numeric")
 
@@ -55,8 +52,7 @@ def check_structure(model: ir.Model | onnx.ModelProto | str, where: str = "model
     try:
         onnx.checker.check_model(target, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise VerificationError(f"{where}: ONNX checker failed: {first}") from None
+        raise VerificationError(f"{where}: ONNX checker failed: {first_line(e)}") from None
 
 
 def _check_domains(proto: onnx.ModelProto, where: str) -> None:
@@ -127,8 +123,7 @@ def run_model(
     try:
         return runtime.run(sess, feeds)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeSetupError(f"ONNX Runtime failed running the model: {msg}") from e
+        raise RuntimeSetupError(f"ONNX Runtime failed running the model: {first_line(e)}") from e
 
 
 def verify(

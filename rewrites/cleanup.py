@@ -17,19 +17,20 @@ Subgraphs (If/Loop/Scan bodies) are cleaned recursively.
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-from onnxscript.optimizer import _constant_folding
-from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewritePass
+from onnxscript.rewriter import RewritePass
 
 from graphopt.errors import VerificationError
+from graphopt.onnxscript_compat import (
+    DEFAULT_REWRITE_RULES,
+    FOLD_INPUT_SIZE_LIMIT,
+    FOLD_OUTPUT_SIZE_LIMIT,
+    FoldConstantsPass,
+)
 from graphopt.opsets import default_opset
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.verify import check_structure
-
-logger = logging.getLogger(__name__)
 
 CUSTOM_DOMAIN = "ai.graphopt"
 #: onnxscript's rewrite rules are written for opset 18+; below it only folding and DCE run
@@ -85,8 +86,8 @@ class Cleanup(GraphoptPass):
         rewrite_rules: bool = True,
         cse: bool = True,
         inline: bool = False,
-        fold_input_size_limit: int = _constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-        fold_output_size_limit: int = _constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+        fold_input_size_limit: int = FOLD_INPUT_SIZE_LIMIT,
+        fold_output_size_limit: int = FOLD_OUTPUT_SIZE_LIMIT,
         iterations: int = 2,
     ):
         super().__init__()
@@ -119,7 +120,7 @@ class Cleanup(GraphoptPass):
         loop: list[ir.passes.PassBase] = []
         if fold:
             loop.append(
-                _constant_folding.FoldConstantsPass(
+                FoldConstantsPass(
                     shape_inference=True,
                     input_size_limit=self.fold_input_size_limit,
                     output_size_limit=self.fold_output_size_limit,
@@ -128,7 +129,7 @@ class Cleanup(GraphoptPass):
         opset = default_opset(model)
         if self.rewrite_rules and opset >= MIN_RULES_OPSET:
             # onnxscript's rules emit current-opset forms (e.g. Unsqueeze with an axes input)
-            loop.append(RewritePass(_DEFAULT_REWRITE_RULES))
+            loop.append(RewritePass(DEFAULT_REWRITE_RULES))
         loop += [
             _SafeIdentityElimination(),
             common.RemoveUnusedNodesPass(),

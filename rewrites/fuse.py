@@ -37,7 +37,7 @@ from typing import Any
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from graphopt.opsets import default_opset
+from graphopt.opsets import MS_DOMAIN, default_opset
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
 logger = logging.getLogger(__name__)
@@ -86,14 +86,13 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
         gqa,
         gqa_packed_qkv,
         mha_bias,
-        mha_scale,
         rms_normalization,
         rotary_embedding,
         sdpa,
-        sdpa_via_mha,
         skip_normalization,
     )
 
+    from graphopt.onnxscript_compat import mha_scale_rules, sdpa_via_mha_rules
     from graphopt.rewrites import fuse_mha
     from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
     from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
@@ -140,7 +139,7 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
         steps += [
             ("mha1", fuse_mha.mha_rules_with_past),
             ("mha2", fuse_mha.mha_rules_no_past),
-            ("mha_scale", mha_scale._mha_scale_rules),
+            ("mha_scale", mha_scale_rules),
             ("mha_bias", mha_bias.mha_bias_rules),
             ("attention", attention.attention_rules),
         ]
@@ -152,7 +151,7 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
         steps.append(("bias_gelu", bias_gelu.bias_gelu_rules))
     if opts.attention:
         # an SDPA left without a MultiHeadAttention form is expanded into MultiHeadAttention + reshapes
-        steps.append(("sdpa_via_mha", sdpa_via_mha._rules))
+        steps.append(("sdpa_via_mha", sdpa_via_mha_rules))
     if opts.layer_norm and _sum_form(opts, provider):
         steps.append(("residual_norm", ResidualNormStep()))
     return steps
@@ -200,7 +199,7 @@ def _why_not(step: Any, model: ir.Model, rule_name: str) -> str | None:
         return step.why_not(model)
     if callable(step):
         return None
-    from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+    from onnxscript.rewriter import MatchingTracer, MatchStatus
 
     tracer = MatchingTracer()
     step.apply_to_model(model, tracer=tracer)
@@ -223,7 +222,7 @@ class FusePass(GraphoptPass):
 
     name = "fuse"
     exact = True
-    emits = tuple(f"com.microsoft::{op}" for op in FUSED_OPS)
+    emits = tuple(f"{MS_DOMAIN}::{op}" for op in FUSED_OPS)
     run_after = ("cleanup",)
 
     def __init__(
@@ -324,13 +323,6 @@ def _fold_weight_concats(model: ir.Model) -> int:
         out.replace_all_uses_with(value)
         done += 1
     return done
-
-
-def _op_counts(model: ir.Model) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        out[node.op_type] = out.get(node.op_type, 0) + 1
-    return out
 
 
 def _explain(model: ir.Model, misses: list[str]) -> list[str]:

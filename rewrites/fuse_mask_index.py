@@ -36,16 +36,14 @@ evaluation fails or gives a value that is not the standard form; the masked cons
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 
 from graphopt.contrib import attention_inputs
+from graphopt.errors import first_line
+from graphopt.opsets import MS_DOMAIN
 
 from ._fuse_step import ReasonedStep
-
-logger = logging.getLogger(__name__)
 
 #: the masked value must be at least this negative to count as a padding mask
 MAX_FILTER = -1e4
@@ -154,7 +152,7 @@ class MaskIndexStep(ReasonedStep):
         self.reasons = []
         sites = []
         for node in model.graph:
-            if node.op_type != "Attention" or node.domain != "com.microsoft":
+            if node.op_type != "Attention" or node.domain != MS_DOMAIN:
                 continue
             a = attention_inputs(node)
             label = f"Attention {node.name!r}"
@@ -241,7 +239,7 @@ def _evaluate(model: ir.Model, pairs: list[tuple[ir.Value, ir.Value]]) -> dict[i
         try:
             results = sess.run(names, feeds)
         except Exception as e:  # noqa: BLE001
-            return {id(b): f"evaluating the bias failed: {str(e).splitlines()[0]}" for b, _ in pairs}
+            return {id(b): f"evaluating the bias failed: {first_line(e)}" for b, _ in pairs}
         for (b, _mask), got in zip(pairs, results):
             if id(b) in failed:
                 continue

@@ -20,6 +20,7 @@ from onnx import numpy_helper
 from graphopt import feeds as feeds_mod
 from graphopt import io, pipeline
 from graphopt.errors import UsageError
+from graphopt.feeds import split_feeds
 from graphopt.verify import run_model
 
 
@@ -348,3 +349,24 @@ def test_silero_vad_optimized_with_numerics_verified():
     res = pipeline.optimize(_packaged("silero_vad", "data/silero_vad.onnx"))
     assert res.ok and res.report.numerics == "verified"
     assert "sr[]" in res.report.feeds
+
+
+# ------------------------------------------------------------- split_feeds
+
+
+def _numbered_feeds(n: int) -> list[dict[str, np.ndarray]]:
+    return [{"x": np.full((1, 2), i, np.float32)} for i in range(n)]
+
+
+def test_first_half_calibrates_the_rest_is_held_back():
+    feeds = _numbered_feeds(5)
+    calib, held = split_feeds(feeds)
+    assert calib == feeds[:2] and held == feeds[2:]
+    calib, held = split_feeds(iter(_numbered_feeds(4)))
+    assert [int(f["x"][0, 0]) for f in calib] == [0, 1] and [int(f["x"][0, 0]) for f in held] == [2, 3]
+
+
+def test_fewer_than_two_feeds_serve_both():
+    for n in (0, 1):
+        calib, held = split_feeds(_numbered_feeds(n))
+        assert len(calib) == n and calib is held

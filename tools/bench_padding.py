@@ -42,18 +42,11 @@ logger = logging.getLogger("bench_padding")
 
 
 def model_path(exporter: str, attn: str) -> Path:
-    """The cached MiniLM export (models/minilm.py), else the scratch export folder."""
-    try:
-        sys.path.insert(0, str(ROOT / "models"))
-        import minilm  # type: ignore[import-not-found]
+    """The MiniLM export in the model cache (models/minilm.py exports it there when missing)."""
+    sys.path.insert(0, str(ROOT / "models"))
+    import minilm  # type: ignore[import-not-found]
 
-        return Path(minilm.build(exporter, attn))
-    except Exception as e:  # models/minilm.py missing or cannot export here
-        p = Path("/tmp/minilm_exports") / f"{exporter}_{attn}.onnx"
-        if p.exists():
-            logger.warning("models/minilm.py unavailable (%s); using %s", e, p)
-            return p
-        raise
+    return Path(minilm.build(exporter, attn))
 
 
 def workload(n: int, seed: int) -> tuple[list[np.ndarray], str]:

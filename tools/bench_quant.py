@@ -40,7 +40,6 @@ sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-logger = logging.getLogger(__name__)
 
 
 def _batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
