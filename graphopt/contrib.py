@@ -23,8 +23,7 @@ from collections.abc import Sequence
 import onnx_ir as ir
 
 from graphopt.errors import GraphoptError
-
-MS = "com.microsoft"
+from graphopt.opsets import MS_DOMAIN
 
 #: op type -> input names, in schema order (ORT docs/ContribOperators.md)
 ATTENTION_SCHEMAS: dict[str, tuple[str, ...]] = {
@@ -108,7 +107,7 @@ def _named(node: ir.Node, names: Sequence[str], inputs: Sequence[ir.Value | None
 
 def is_attention(node: ir.Node, *op_types: str) -> bool:
     """``node`` is a com.microsoft attention op (of one of ``op_types`` when given)."""
-    return node.domain == MS and node.op_type in (op_types or ATTENTION_SCHEMAS)
+    return node.domain == MS_DOMAIN and node.op_type in (op_types or ATTENTION_SCHEMAS)
 
 
 def attention_inputs(node: ir.Node, inputs: Sequence[ir.Value | None] | None = None) -> AttentionInputs:
@@ -117,7 +116,7 @@ def attention_inputs(node: ir.Node, inputs: Sequence[ir.Value | None] | None = N
     ``inputs``: read these instead of ``node.inputs`` (e.g. the replacements a rewrite made for them).
     """
     names = ATTENTION_SCHEMAS.get(node.op_type)
-    if node.domain != MS or names is None:
+    if node.domain != MS_DOMAIN or names is None:
         raise GraphoptError(f"{node.op_type} {node.name!r} (domain {node.domain!r}) is not a com.microsoft "
                             f"attention op ({', '.join(ATTENTION_SCHEMAS)})")
     return AttentionInputs(node.op_type, **_named(node, names, inputs))
@@ -125,7 +124,7 @@ def attention_inputs(node: ir.Node, inputs: Sequence[ir.Value | None] | None = N
 
 def embed_inputs(node: ir.Node, inputs: Sequence[ir.Value | None] | None = None) -> EmbedInputs:
     """The inputs of a com.microsoft EmbedLayerNormalization by name (``inputs``: as for ``attention_inputs``)."""
-    if node.domain != MS or node.op_type != "EmbedLayerNormalization":
+    if node.domain != MS_DOMAIN or node.op_type != "EmbedLayerNormalization":
         raise GraphoptError(f"{node.op_type} {node.name!r} is not a com.microsoft EmbedLayerNormalization")
     return EmbedInputs(**_named(node, EMBED_SCHEMA, inputs))
 

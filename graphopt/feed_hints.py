@@ -18,12 +18,9 @@ Everything here is a hint: ``graphopt.feeds`` confirms candidates by running the
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import numpy as np
 import onnx_ir as ir
-
-logger = logging.getLogger(__name__)
 
 #: ops that carry a value's elements through (their first input): followed to find how it is consumed
 _PASS_THROUGH = frozenset({"Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Reshape", "CastLike", "Gather",

@@ -112,8 +112,7 @@ class GraphoptPass(ir.passes.InPlacePass):
 
     @classmethod
     def summary(cls) -> str:
-        doc = inspect.getdoc(cls) or ""
-        return doc.strip().splitlines()[0] if doc.strip() else ""
+        return first_line(inspect.getdoc(cls) or "")
 
     @classmethod
     def options(cls) -> dict[str, Any]:

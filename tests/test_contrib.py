@@ -9,13 +9,14 @@ import pytest
 
 from graphopt import contrib
 from graphopt.errors import GraphoptError
+from graphopt.opsets import MS_DOMAIN
 
 
 def _values(*names: str) -> list[ir.Value | None]:
     return [ir.Value(name=n) if n else None for n in names]
 
 
-def _node(op: str, inputs, domain: str = contrib.MS, **attrs) -> ir.Node:
+def _node(op: str, inputs, domain: str = MS_DOMAIN, **attrs) -> ir.Node:
     return ir.node(op, inputs, attributes=attrs, domain=domain)
 
 
@@ -23,7 +24,7 @@ def test_schemas_match_onnxruntime():
     """The tables are ORT's own input lists (an ORT upgrade that renumbers an input fails here)."""
     from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 
-    ort = {s.name: tuple(i.name for i in s.inputs) for s in get_all_operator_schema() if s.domain == contrib.MS}
+    ort = {s.name: tuple(i.name for i in s.inputs) for s in get_all_operator_schema() if s.domain == MS_DOMAIN}
     for op, names in contrib.ATTENTION_SCHEMAS.items():
         assert ort[op] == names, op
     assert ort["EmbedLayerNormalization"] == contrib.EMBED_SCHEMA

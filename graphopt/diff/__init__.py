@@ -10,7 +10,6 @@ compared, to find the first one that drifts beyond tolerance.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,8 +23,6 @@ from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
 from graphopt.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
 from graphopt.report import op_histogram, op_key
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["SCHEMA_VERSION", "DiffResult", "diff_models"]
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import onnx_ir as ir
 
 from graphopt import PASS_TAG
+from graphopt.opsets import node_domain
 from graphopt.report import op_key
 
 
@@ -57,10 +58,6 @@ def b_id(index: int) -> NodeId:
 
 
 # ---------------------------------------------------------------- hashing
-
-
-def domain_of(node: ir.Node) -> str:
-    return "" if node.domain in ("", "ai.onnx") else node.domain
 
 
 def tensor_hash(t) -> str:
@@ -195,7 +192,7 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
     for i, n in enumerate(a_nodes):
         if n.name:
             a_by_name[n.name].append(i)
-        a_by_sig[(domain_of(n), n.op_type, attr_hash(n), len(n.inputs))].append(i)
+        a_by_sig[(node_domain(n), n.op_type, attr_hash(n), len(n.inputs))].append(i)
     a_matched: set[int] = set()
     node_b2a: dict[int, int] = {}
     modified: dict[int, list[str]] = {}
@@ -216,7 +213,7 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
                 ins.append(b2a[v])
             else:
                 ins.append(_WILD)
-        sig = (domain_of(nb), nb.op_type, attr_hash(nb), len(nb.inputs))
+        sig = (node_domain(nb), nb.op_type, attr_hash(nb), len(nb.inputs))
         cands = [i for i in a_by_sig.get(sig, ()) if i not in a_matched and _inputs_fit(a_nodes[i], ins, a_mapped)]
         n_known = sum(1 for x in ins if x is not None and x is not _WILD)
         if cands and n_known == 0 and len(nb.inputs) > 0:
@@ -230,7 +227,7 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
         elif nb.name:
             for i in a_by_name.get(nb.name, ()):
                 na = a_nodes[i]
-                if i not in a_matched and domain_of(na) == domain_of(nb) and na.op_type == nb.op_type:
+                if i not in a_matched and node_domain(na) == node_domain(nb) and na.op_type == nb.op_type:
                     choice = i
                     node_b2a[j] = i
                     modified[j] = _differences(na, nb, b2a)

@@ -76,8 +76,9 @@ import logging
 
 import onnx_ir as ir
 
-from graphopt.contrib import MS
-from graphopt.opsets import default_opset
+from graphopt.errors import first_line
+from graphopt.metrics import MASK_NAMES
+from graphopt.opsets import MS_DOMAIN, default_opset
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
 from .emit import rewrite
@@ -86,7 +87,6 @@ from .probe import probe_labels
 
 logger = logging.getLogger(__name__)
 
-_MASK_NAMES = ("attention_mask", "input_mask", "mask")
 
 
 class RemovePadding(GraphoptPass):
@@ -95,7 +95,7 @@ class RemovePadding(GraphoptPass):
     name = "remove-padding"
     exact = True
     run_after = ("fuse",)
-    emits = ("com.microsoft::MultiHeadAttention", "com.microsoft::PackedMultiHeadAttention")
+    emits = (f"{MS_DOMAIN}::MultiHeadAttention", f"{MS_DOMAIN}::PackedMultiHeadAttention")
 
     def __init__(self, *, packed_output: bool = False, attention_groups: int = 8, packed_attention: bool = True):
         super().__init__()
@@ -116,7 +116,7 @@ class RemovePadding(GraphoptPass):
         try:
             labels = probe_labels(model, mask)
         except Exception as e:  # the model cannot run on probe feeds: nothing can be proven
-            return _refused(model, f"cannot probe dimensions ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            return _refused(model, f"cannot probe dimensions ({type(e).__name__}: {first_line(e, 200)})")
         cuda = ctx.provider == "cuda"
         try:
             plan = make_plan(model, mask, labels, groups=int(self.attention_groups),
@@ -130,7 +130,7 @@ class RemovePadding(GraphoptPass):
         grouped = plan.count(AttentionStrategy.GROUPED)
         packed = plan.count(AttentionStrategy.PACKED)
         if packed:
-            model.opset_imports.setdefault(MS, 1)
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
             notes.append(f"{packed} attention op(s) run as com.microsoft PackedMultiHeadAttention, which ONNX "
                          "Runtime implements for CUDA only: the model runs on the CUDA provider, not on CPU")
         graph_io = {v.name for v in model.graph.inputs} | {v.name for v in model.graph.outputs}
@@ -175,7 +175,7 @@ def _precondition_refusal(model: ir.Model, mask: ir.Value | None) -> str | None:
 
 def _find_mask(graph: ir.Graph) -> ir.Value | None:
     inputs = [v for v in graph.inputs if v.name not in graph.initializers]
-    for name in _MASK_NAMES:
+    for name in MASK_NAMES:
         for v in inputs:
             if v.name == name and v.shape is not None and len(v.shape) == 2:
                 return v

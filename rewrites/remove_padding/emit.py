@@ -14,7 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.contrib import (
-    MS,
+    MS_DOMAIN,
     attention_attributes,
     attention_input_list,
     attention_inputs,
@@ -44,7 +44,7 @@ def rewrite(model: ir.Model, plan: Plan, *, packed_output: bool, sum_norm: bool)
     for step in plan.steps:
         inputs = _packed_inputs(step, index, twin)
         node = step.node
-        if node.domain == MS and node.op_type == "EmbedLayerNormalization":
+        if node.domain == MS_DOMAIN and node.op_type == "EmbedLayerNormalization":
             outs = _emit_embed(tape, index, node, inputs, sum_norm=sum_norm)
         elif step.attention is not None:
             outs = [attention.emit(step, inputs)]
@@ -189,7 +189,7 @@ def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: lis
         out = tape.op("LayerNormalization", [tape.op("Sum", [x, skip]), *norm_inputs], {"axis": -1, "epsilon": eps})
     else:
         total = None
-        out = tape.op("SkipLayerNormalization", [x, skip, *norm_inputs], {"epsilon": eps}, domain=MS)
+        out = tape.op("SkipLayerNormalization", [x, skip, *norm_inputs], {"epsilon": eps}, domain=MS_DOMAIN)
     outs: list = [out, None, total]
     return outs[: len(node.outputs)]
 
@@ -222,7 +222,7 @@ class _Attention:
             ins = attention_input_list("PackedMultiHeadAttention", query=rows[0], key=rows[1], value=rows[2],
                                        bias=bias, token_offset=self._packed.token_offset,
                                        cumulative_sequence_length=self._packed.cumulative_sequence_length)
-            out = t.op("PackedMultiHeadAttention", ins, attrs.for_mha("scale"), domain=MS)
+            out = t.op("PackedMultiHeadAttention", ins, attrs.for_mha("scale"), domain=MS_DOMAIN)
             out.name = f"{node.outputs[0].name}_packed_mha"
             return t.op("Unsqueeze", [out, const_ints(t, [0])])
         if self._groups is None:
@@ -240,7 +240,7 @@ class _Attention:
                 value=groups.gather(v, g), bias=bias,
                 key_padding_mask=groups.key_mask(kpm, g) if kpm is not None else None,
                 attention_bias=groups.attention_bias(attn_bias, lead_batch, g, _FILL) if attn_bias is not None else None)
-            out = t.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS)
+            out = t.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS_DOMAIN)
             parts.append(t.op("Reshape", [out, const_ints(t, [-1, int(hv)])]))
         flat = t.op("Concat", parts, {"axis": 0}) if len(parts) > 1 else parts[0]
         return t.op("Gather", [flat, groups.inverse], {"axis": 0})
@@ -282,7 +282,7 @@ def _emit_split_attention(
     q, k, v = tape.op_multi_out("Split", [qkv, const_ints(tape, sizes)], {"axis": -1}, num_outputs=3)
     ins = attention_input_list("MultiHeadAttention", query=index.unpack(q), key=index.unpack(k),
                                value=index.unpack(v), key_padding_mask=a.mask_index, attention_bias=a.attention_bias)
-    out = tape.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS)
+    out = tape.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS_DOMAIN)
     out.name = f"{node.outputs[0].name}_mha"
     return out
 

@@ -13,7 +13,8 @@ import enum
 
 import onnx_ir as ir
 
-from graphopt.contrib import MS, attention_attributes, attention_inputs, embed_inputs, is_attention
+from graphopt.contrib import attention_attributes, attention_inputs, embed_inputs, is_attention
+from graphopt.opsets import MS_DOMAIN, node_domain
 
 from .index import Lead
 from .probe import TOKEN_DIMS, Dim, DimLabels
@@ -191,7 +192,7 @@ class _Planner:
 
         Fused attention is not decided here (see ``attention_spec``).
         """
-        if node.domain == MS and node.op_type == "EmbedLayerNormalization":
+        if node.domain == MS_DOMAIN and node.op_type == "EmbedLayerNormalization":
             return self._spec_embed(node)
         outs = [o for o in node.outputs if o.name]
         if not outs:
@@ -204,16 +205,16 @@ class _Planner:
         return None if modes is None else _Spec(tuple(modes), r)
 
     def _modes(self, node: ir.Node, r: int) -> list[Mode] | None:
-        op, dom, n = node.op_type, node.domain or "", len(node.inputs)
+        op, dom, n = node.op_type, node_domain(node), len(node.inputs)
         a = node.attributes
         bcast, param = Mode.BCAST, Mode.PARAM
-        if dom == MS:
+        if dom == MS_DOMAIN:
             if op in _MS_ELEMENTWISE:
                 return [bcast] * n
             if op in _MS_NORMS:
                 return [bcast, bcast] + [param] * (n - 2)
             return None
-        if dom not in ("", "ai.onnx"):
+        if dom != "":
             return None
         if op in _ELEMENTWISE:
             return [bcast] * n
@@ -322,7 +323,7 @@ class _Planner:
         v = kpm
         while v is not self.mask:
             p = v.producer()
-            if p is None or (p.domain or "") not in ("", "ai.onnx") or p.op_type not in ("Cast", "Identity"):
+            if p is None or node_domain(p) != "" or p.op_type not in ("Cast", "Identity"):
                 return (f"its mask {kpm.name!r} is not the attention mask {self.mask.name!r} itself (through "
                         "Cast/Identity), so it may not be a plain key padding mask")
             v = p.inputs[0]
@@ -423,8 +424,7 @@ class _Planner:
             if id(node) in seen or id(node) in packed_set:
                 continue
             seen.add(id(node))
-            dom = node.domain or ""
-            if dom in ("", "ai.onnx") and node.op_type in _CORE_OPS:
+            if node_domain(node) == "" and node.op_type in _CORE_OPS:
                 if node.op_type == "Softmax":
                     softmaxes.append(node)
                 if node.op_type in _SELECTING and any(self._is_data(o) for o in node.outputs):
