@@ -79,7 +79,6 @@ def optimize(
     verify_level: str = "numeric",
     keep_going: bool = False,
     strict: bool = False,
-    require_budget: bool = False,
     debug_dir: str | os.PathLike | None = None,
     explain: bool = False,
     on_step: Callable[[str, int, int], None] | None = None,
@@ -87,10 +86,11 @@ def optimize(
     """Run ``recipe`` (default: the builtin default recipe, or ``passes``) on ``model``.
 
     Returns the last good model and the report; never raises for a pass that fails verification
-    (the report says; ``Result.ok`` is False when a lossy pass failed, or any pass under ``strict``). Raises GraphoptError for bad usage or input.
-    A lossy pass is verified against ``budget``, or its own ``default_budget`` when none is given;
-    with ``require_budget`` a lossy pass that could not meet the budget (and so kept the model as
-    it was) also fails the run.
+    (the report says; ``Result.ok`` is False when a lossy pass failed, or any pass under ``strict``).
+    Raises GraphoptError for bad usage or input. A lossy pass is verified against ``budget``, or its
+    own ``default_budget`` when none is given; one that cannot meet it (and so kept the model as it
+    was) fails the run too, unless ``keep_going`` (then the last good model is kept and the report
+    says so).
     """
     t_start = time.perf_counter()
     check_level(verify_level)
@@ -226,11 +226,9 @@ def optimize(
                     _dump_pair(Path(debug_dir), i, p.name, good, candidate)
         elif candidate is not None:
             rec.verification = {"level": "skipped (unchanged)"}
-        if result is not None and not p.exact and result.budget_met is False:
-            rec.notes.append(f"budget {step_budget} not met; the model is kept as it was before {p.name!r}")
-            if require_budget:
-                rec.status = "budget-not-met"
-                rec.error = f"budget {step_budget} not met"
+        if result is not None and not p.exact and result.budget_met is False and rec.status == "ok":
+            rec.status = "budget-not-met"
+            rec.error = f"budget {step_budget} not met by any model {p.name!r} could make"
         if not p.exact:
             rec.verification["budget"] = str(step_budget)
         elif debug_dir is not None:
@@ -243,6 +241,8 @@ def optimize(
             blocking = strict or not (p.exact or keep_going)
             if p.exact and not strict:
                 rec.notes.append(f"rolled back: the recipe went on without {p.name!r} (--strict fails the run instead)")
+            elif keep_going and not strict:
+                rec.notes.append(f"--keep-going: the model is kept as it was before {p.name!r}")
             logger.warning("pass %s %s: %s", p.name, rec.status, rec.error)
             if blocking:
                 report.ok = False

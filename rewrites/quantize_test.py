@@ -288,7 +288,7 @@ def test_after_fuse_on_tiny_bert(tmp_path):
     for mode, want in (("static", "MatMulIntegerToFloat"), ("dynamic", "DynamicQuantizeMatMul"), ("int4", "MatMulNBits")):
         result = pipeline.optimize(str(path), passes="cleanup,fuse,quantize", feeds=feeds,
                                    overrides=[f"quantize.mode={mode}", "quantize.mixed=false"],
-                                   budget="cosine>=0.99", require_budget=True)
+                                   budget="cosine>=0.99")
         assert result.ok, result.report.passes[-1].error
         ops = _ops(result.model)
         assert ops["QAttention"] == 2 and ops["Attention"] == 0, ops
@@ -333,7 +333,7 @@ def test_int8_recipe_quantizes_the_packed_model(tmp_path):
     feeds = _tiny_bert_feeds(path)
     result = pipeline.optimize(str(path), recipe.load("int8"), feeds=feeds,
                                overrides=["quantize.mode=static", "quantize.mixed=false"],
-                               budget="cosine>=0.99", require_budget=True)
+                               budget="cosine>=0.99")
     assert result.ok, [p.error for p in result.report.passes]
     assert [p.name for p in result.report.passes] == ["cleanup", "fuse", "remove-padding", "quantize"]
     ops = _ops(result.model)
@@ -370,8 +370,7 @@ def test_int8_recipe_for_cuda_calibrates_through_stand_ins():
     from graphopt import pipeline, recipe
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    result = pipeline.optimize(str(path), recipe.load("int8"), provider="cuda", budget="cosine>=0.99",
-                               require_budget=True)
+    result = pipeline.optimize(str(path), recipe.load("int8"), provider="cuda", budget="cosine>=0.99")
     assert result.ok, [p.error for p in result.report.passes]
     ops = _ops(result.model)
     assert ops["PackedMultiHeadAttention"] == 2 and ops["DequantizeLinear"] >= 12, ops

@@ -335,15 +335,17 @@ def test_lossy_pass_default_budget(mlp_path):
     assert not res.ok  # the pass's own default budget still applies
 
 
-def test_require_budget(run_cli, mlp_path, tmp_path):
+def test_unmet_budget_fails_unless_keep_going(run_cli, mlp_path, tmp_path):
     out = tmp_path / "o.onnx"
-    code, _, _ = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-nudge",
-                         "--set", "test-nudge.eps=0.5", "--set", "test-nudge.give_up=0.1", "-q",
-                         "--report", tmp_path / "r.json")
-    assert code == 0 and out.exists()  # the pass kept the model and said so
+    args = ("optimize", mlp_path, "-o", out, "--passes", "cleanup,test-nudge", "--set", "test-nudge.eps=0.5",
+            "--set", "test-nudge.give_up=0.1", "-q", "--report", tmp_path / "r.json")
+    code, stdout, err = run_cli(*args)
+    assert code == 3 and not out.exists() and stdout == ""
+    assert "error: pass 'test-nudge' budget-not-met" in err and "--keep-going" in err
     rep = json.loads((tmp_path / "r.json").read_text())
-    assert "not met" in rep["passes"][0]["notes"][0]
-    out.unlink()
-    code, _, err = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-nudge", "--require-budget",
-                           "--set", "test-nudge.eps=0.5", "--set", "test-nudge.give_up=0.1", "-q")
-    assert code == 3 and not out.exists() and "budget" in err
+    assert [p["status"] for p in rep["passes"]] == ["ok", "budget-not-met"] and not rep["ok"]
+    code, _, err = run_cli(*args, "--keep-going")
+    assert code == 0 and out.exists()  # the best lossless model, and the report says so
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert any("kept as it was before 'test-nudge'" in n for n in rep["passes"][1]["notes"])
+    assert "warning: pass 'test-nudge' budget-not-met" in err

@@ -46,9 +46,9 @@ def command(
     provider: Provider = "cpu",
     verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
     report: Report = None,
-    keep_going: Annotated[bool, typer.Option("--keep-going", help="Also after a lossy pass that fails: roll it back and continue (exit 0).")] = False,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="When a lossy pass fails or cannot meet the budget: keep the model as it was before it, continue, write it (exit 0).")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 3 (no output) when any pass is rolled back, lossless ones included.")] = False,
-    require_budget: Annotated[bool, typer.Option("--require-budget", help="Exit 3 when a lossy pass cannot meet the budget (default: it keeps the model as it was and says so).")] = False,
+    require_budget: Annotated[bool, typer.Option("--require-budget", hidden=True, help="Kept for old scripts: an unmet budget always fails the run now.")] = False,
     debug_dir: Annotated[Path | None, typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
@@ -59,8 +59,8 @@ def command(
 
     Every pass is verified (ONNX checker, shape inference, an ONNX Runtime session, numeric parity
     with the model before it). A lossless pass that fails is rolled back and the recipe goes on
-    without it (a warning; --strict: exit 3, no output). A lossy pass that fails (budget not met)
-    stops the run: exit 3, no output, unless --keep-going.
+    without it (a warning; --strict: exit 3, no output). A lossy pass that fails or cannot meet
+    --budget (or its default budget) stops the run: exit 3, no output, unless --keep-going.
     """
     from rich.console import Console
 
@@ -94,7 +94,6 @@ def command(
             verify_level=verify,
             keep_going=keep_going,
             strict=strict,
-            require_budget=require_budget,
             debug_dir=debug_dir,
             explain=explain,
             on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"),
