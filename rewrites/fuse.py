@@ -84,7 +84,6 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         cos_sin_cache,
         erfgelu,
         gelu,
-        gqa,
         gqa_packed_qkv,
         mha_bias,
         mha_scale,
@@ -99,6 +98,7 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
     from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
     from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
     from graphopt.rewrites.fuse_gelu_tanh import tanh_gelu_rules
+    from graphopt.rewrites.fuse_gqa import gqa_rules
     from graphopt.rewrites.fuse_layernorm import layer_norm_rules, layer_norm_scale_rules
     from graphopt.rewrites.fuse_mask_index import MaskIndexStep
     from graphopt.rewrites.fuse_residual_norm import ResidualNormStep
@@ -139,7 +139,7 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         if opts.gqa:
             # onnxscript's GQA rule derives per-row lengths from the position ids and drops the
             # attention mask: exact only when every row is right-padded (or unpadded); opt-in
-            steps += [("gqa", gqa.gqa_rules), ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa_rules)]
+            steps += [("gqa", gqa_rules), ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa_rules)]
         steps += [
             ("mha1", fuse_mha.mha_rules_with_past),
             ("mha2", fuse_mha.mha_rules_no_past),

@@ -112,11 +112,8 @@ def _counts(model: ir.Model) -> collections.Counter:
 
 @pytest.mark.parametrize("family", list(EXPECTED))
 def test_default_recipe_fuses_loads_and_matches(family, tmp_path):
-    import onnxruntime as ort
-
     from graphopt import io
     from graphopt.feeds import generate
-    from graphopt.metrics import compare
     from graphopt.pipeline import optimize
 
     model = _load(family)
@@ -152,8 +149,17 @@ def test_default_recipe_fuses_loads_and_matches(family, tmp_path):
         assert any(n.attributes.get_int("rotary_embedding_dim", 0) for n in result.model.graph), "partial rotary unfused"
 
     # (c) a plain ORT session loads it and matches the export
+    _check_loads_and_matches(family, src, result.model, feeds, tmp_path)
+
+
+def _check_loads_and_matches(family, src, model, feeds, tmp_path) -> None:
+    import onnxruntime as ort
+
+    from graphopt import io
+    from graphopt.metrics import compare
+
     out = tmp_path / "optimized.onnx"
-    io.save(result.model, out)
+    io.save(model, out)
     ref_sess = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     names = [o.name for o in ref_sess.get_outputs()]
@@ -164,3 +170,29 @@ def test_default_recipe_fuses_loads_and_matches(family, tmp_path):
     # leaves other values there); the unpadded feeds are compared whole
     worst = compare(got, ref, feeds, atol=1e-4, rtol=0.0)
     assert worst.worst("max_abs") <= 1e-4, f"{family}: {worst.summary()}"
+
+
+DECODERS = ["llama", "qwen2", "qwen3", "gemma", "phi", "phi3", "gpt_neox", "stablelm", "falcon"]
+
+
+@pytest.mark.parametrize("option", ["gqa", "cuda"])
+@pytest.mark.parametrize("family", DECODERS)
+def test_decoder_options_load(family, option, tmp_path):
+    """``fuse.gqa=true`` (GroupQueryAttention refused where its rewrite would be ill-formed: positions given by
+    their start, partial rotary) and the CUDA forms (Skip* norms kept) pass and load too."""
+    from graphopt import io
+    from graphopt.feeds import generate
+    from graphopt.pipeline import optimize
+
+    model = _load(family)
+    src = tmp_path / "export.onnx"
+    io.save(model, src)
+    kw = {"overrides": ["fuse.gqa=true"]} if option == "gqa" else {"provider": "cuda"}
+    result = optimize(src, **kw)
+    assert result.ok and {p.status for p in result.report.passes} == {"ok"}, [
+        (p.name, p.status, p.error) for p in result.report.passes]
+    ops = _counts(result.model)
+    assert ops[ROPE] == 4 and ops[MHA] + ops[f"{MS}::GroupQueryAttention"] == 2, ops
+    if option == "cuda":
+        assert ops[SUM] == 0 and ops[SKIP_LN] + ops[SKIP_RMS] >= 2, ops
+    _check_loads_and_matches(family, src, result.model, generate(model), tmp_path)
