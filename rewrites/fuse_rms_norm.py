@@ -94,7 +94,10 @@ def _expand(node: ir.Node, opset: int) -> tuple[list[ir.Node], ir.Value, ir.Valu
 
 
 def _take_over(old: ir.Value, new: ir.Value) -> None:
+    """``new`` takes over ``old``'s uses, graph-output slot, name, and type and shape where it has none."""
     name = old.name
+    new.shape = new.shape or old.shape
+    new.type = new.type or old.type
     old.replace_all_uses_with(new, replace_graph_outputs=True)
     old.name = f"{name}_sln_unused" if name else None
     new.name = name
