@@ -104,7 +104,6 @@ def task_of(family: str) -> str:
 
 def build_folder(family: str, cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """The HF folder (config.json + model.safetensors) of ``family``."""
-    import torch
     import transformers
 
     from graphopt.exporters.tasks import get_task
@@ -115,16 +114,7 @@ def build_folder(family: str, cache_dir: str | os.PathLike | None = None, force:
     dst = _build.cache_dir(cache_dir) / f"tiny-{family}-{'causal-lm' if task == DECODER else task}"
     if (dst / "config.json").is_file() and not force:
         return dst
-    cls = getattr(transformers, get_task(task).auto_class)
-
-    def write(tmp: Path) -> None:
-        transformers.utils.logging.disable_progress_bar()
-        torch.manual_seed(SEED)
-        model = cls.from_config(config, attn_implementation="eager")
-        model.config._attn_implementation = None  # let the exporter pick
-        model.eval().save_pretrained(tmp)
-
-    return _build.place_dir(write, dst)
+    return _build.place_random_model(getattr(transformers, get_task(task).auto_class), config, dst, SEED)
 
 
 def build(family: str, exporter: str = "dynamo", cache_dir: str | os.PathLike | None = None,
