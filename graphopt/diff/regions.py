@@ -5,7 +5,13 @@ A node joins the B component whose paired output values it feeds (through unmatc
 stopping at paired values): "these 14 nodes became this LayerNormalization". A nodes feeding several
 components (e.g. a mask computation shared by every fused attention) form their own region, which
 records the regions it fed in ``shared_by``; A nodes feeding none are grouped among themselves
-(removed). The pass that made a region is read from the ``graphopt.pass`` metadata of its B nodes.
+(removed).
+
+Credit: each B node carries its provenance chain (:mod:`graphopt.provenance`: the passes that made
+and then rebuilt it). The part of the chain A already had (the longest chain of the region's A nodes
+that starts B's) is history; the region credits the first pass of the rest, the one that created the
+construct between A and B, and the summary names the passes that rebuilt it afterwards: "2 nodes
+(Add, Gelu) became BiasGelu by fuse, rebuilt by remove-padding".
 """
 
 from __future__ import annotations
@@ -16,8 +22,19 @@ from collections.abc import Hashable
 
 import onnx_ir as ir
 
-from graphopt.diff.matching import Matching, NodeId, Side, a_id, b_id, pass_of
+from graphopt import provenance
+from graphopt.diff.matching import Matching, NodeId, Side, a_id, b_id
 from graphopt.report import op_key
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, "node")`` -> ``"1 node"``, ``plural(3, "node")`` -> ``"3 nodes"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _short(op: str) -> str:
+    """An op key without its domain, for prose (``com.microsoft::BiasGelu`` -> ``BiasGelu``)."""
+    return op.rpartition("::")[2]
 
 
 @dataclasses.dataclass
@@ -29,10 +46,11 @@ class Region:
     b_nodes: list[NodeId]
     a_ops: dict[str, int]
     b_ops: dict[str, int]
-    passes: dict[str, int]  # pass name -> number of B nodes tagged with it
+    passes: dict[str, int]  # pass name -> number of B nodes it is credited with (created the construct)
     inputs: list[str]  # boundary values (A names) the region reads
     outputs: list[str]  # boundary values (A names, else B names) the region produces
     shared_by: list[int] = dataclasses.field(default_factory=list)  # regions a shared helper region fed
+    chains: dict[str, int] = dataclasses.field(default_factory=dict)  # "fuse → remove-padding" -> B nodes
 
     @property
     def kind(self) -> str:
@@ -41,16 +59,36 @@ class Region:
         return "removed" if self.a_nodes else "added"
 
     def summary(self) -> str:
+        """One line a person reads: "9 nodes (Add×2, ...) became LayerNormalization by fuse"."""
         def ops(d: dict[str, int]) -> str:
-            return ", ".join(f"{k}×{n}" if n > 1 else k for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
+            return ", ".join(f"{_short(k)}×{n}" if n > 1 else _short(k)
+                             for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
 
-        by = f" by {', '.join(sorted(self.passes))}" if self.passes else ""
-        fed = f", shared by regions {', '.join(map(str, self.shared_by))}" if self.shared_by else ""
+        def nodes(n: int, d: dict[str, int]) -> str:
+            return f"{plural(n, 'node')} ({ops(d)})"
+
+        fed = ""
+        if self.shared_by:
+            fed = f", shared by {'region' if len(self.shared_by) == 1 else 'regions'} {', '.join(map(str, self.shared_by))}"
+        by = self._by()
         if self.kind == "rewritten":
-            return f"{len(self.a_nodes)} nodes ({ops(self.a_ops)}) became {len(self.b_nodes)} ({ops(self.b_ops)}){fed}{by}"
+            made = ops(self.b_ops) if len(self.b_nodes) == 1 else nodes(len(self.b_nodes), self.b_ops)
+            return f"{nodes(len(self.a_nodes), self.a_ops)} became {made}{fed}{by}"
         if self.kind == "removed":
-            return f"{len(self.a_nodes)} nodes removed ({ops(self.a_ops)}){fed}{by}"
-        return f"{len(self.b_nodes)} nodes added ({ops(self.b_ops)}){fed}{by}"
+            return f"{plural(len(self.a_nodes), 'node')} removed ({ops(self.a_ops)}){fed}{by}"
+        return f"{plural(len(self.b_nodes), 'node')} added ({ops(self.b_ops)}){fed}{by}"
+
+    def _by(self) -> str:
+        """" by fuse, rebuilt by remove-padding": the credited passes, then the passes that rebuilt."""
+        if not self.passes:
+            return ""
+        credited = sorted(self.passes, key=lambda p: (-self.passes[p], p))
+        rebuilt: list[str] = []
+        for chain in self.chains:
+            for p in chain.split(" → ")[1:]:
+                if p not in rebuilt:
+                    rebuilt.append(p)
+        return f" by {' and '.join(credited)}" + (f", rebuilt by {' and '.join(rebuilt)}" if rebuilt else "")
 
     def _order(self) -> tuple[int, int]:
         """Regions are listed by their first A node, then their first B node."""
@@ -181,9 +219,13 @@ def find_regions(m: Matching) -> list[Region]:
         bn.sort()
         a_ops = collections.Counter(op_key(m.a_nodes[i]) for i in an)
         b_ops = collections.Counter(op_key(m.b_nodes[j]) for j in bn)
-        passes = collections.Counter(p for j in bn if (p := pass_of(m.b_nodes[j])))
+        a_chains = [c for i in an if (c := provenance.chain_of(m.a_nodes[i]))]
+        since = [c for j in bn if (c := chain_since(provenance.chain_of(m.b_nodes[j]), a_chains))]
+        passes = collections.Counter(c[0] for c in since)
+        chains = collections.Counter(provenance.format_chain(c) for c in since)
         ins, outs = _boundary(m, an, bn)
-        r = Region(0, [a_id(i) for i in an], [b_id(j) for j in bn], dict(a_ops), dict(b_ops), dict(passes), ins, outs)
+        r = Region(0, [a_id(i) for i in an], [b_id(j) for j in bn], dict(a_ops), dict(b_ops), dict(passes), ins, outs,
+                   chains=dict(chains))
         regions.append(r)
         for j in bn:
             region_of_comp[comp_of_b[j]] = r
@@ -202,6 +244,15 @@ def find_regions(m: Matching) -> list[Region]:
                 for p in regions[t].passes:
                     r.passes.setdefault(p, 0)
     return regions
+
+
+def chain_since(chain: list[str], a_chains: list[list[str]]) -> list[str]:
+    """The part of a B node's ``chain`` made after A: without the longest A chain it starts with.
+
+    A chain A already has in full (nothing new) keeps its last pass.
+    """
+    k = max((len(c) for c in a_chains if chain[: len(c)] == c), default=0)
+    return chain[k:] or chain[-1:]
 
 
 def _boundary(m: Matching, an: list[int], bn: list[int]) -> tuple[list[str], list[str]]:
