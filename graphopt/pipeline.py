@@ -2,7 +2,7 @@
 
 For every step: clone the last good model, run the pass on the clone with a read-only
 :class:`~graphopt.registry.PassContext`, read what it reports from its
-:class:`~graphopt.registry.PassResult`, tag the nodes it created (``graphopt.PASS_TAG``), verify
+:class:`~graphopt.registry.PassResult`, record the provenance of the nodes it created (:mod:`graphopt.provenance`), verify
 (structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
 passes, against the input model's outputs under the budget for lossy ones).
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import io, provenance, registry, standins
 from graphopt import feeds as feeds_mod
+from graphopt import io, provenance, registry, standins
 from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, parse_budget
