@@ -2,8 +2,8 @@
 
 For every step: clone the last good model, run the pass on the clone with a read-only
 :class:`~graphopt.registry.PassContext`, read what it reports from its
-:class:`~graphopt.registry.PassResult`, record the provenance of the nodes it created (:mod:`graphopt.provenance`), verify
-(structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
+:class:`~graphopt.registry.PassResult`, record the provenance of the nodes it created
+(:mod:`graphopt.provenance`), verify (structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
 passes, against the input model's outputs under the budget for lossy ones).
 
 A failed pass is rolled back and recorded. After a lossless pass the recipe goes on without it (a
