@@ -79,16 +79,25 @@ class Region:
         return f"{plural(len(self.b_nodes), 'node')} added ({ops(self.b_ops)}){fed}{by}"
 
     def _by(self) -> str:
-        """" by fuse, rebuilt by remove-padding": the credited passes, then the passes that rebuilt."""
-        if not self.passes:
+        """" by fuse, rebuilt by remove-padding": the credited passes, each with the passes that rebuilt
+        its nodes ("by fuse (rebuilt by remove-padding) and remove-padding" when several), in pipeline
+        order. A shared region with no new node names the passes of the regions it feeds."""
+        credited = [p for p, n in self.passes.items() if n > 0] or list(self.passes)
+        if not credited:
             return ""
-        credited = sorted(self.passes, key=lambda p: (-self.passes[p], p))
-        rebuilt: list[str] = []
-        for chain in self.chains:
-            for p in chain.split(" → ")[1:]:
-                if p not in rebuilt:
-                    rebuilt.append(p)
-        return f" by {' and '.join(credited)}" + (f", rebuilt by {' and '.join(rebuilt)}" if rebuilt else "")
+        chains = [c.split(" → ") for c in self.chains]
+        order = {p: max((c.index(p) for c in chains if p in c), default=0) for p in credited}
+        credited.sort(key=lambda p: (order[p], -self.passes[p], p))
+        rebuilt = {p: [] for p in credited}
+        for c in chains:
+            for q in c[1:]:
+                if c[0] in rebuilt and q not in rebuilt[c[0]]:
+                    rebuilt[c[0]].append(q)
+        if len(credited) == 1:
+            p = credited[0]
+            return f" by {p}" + (f", rebuilt by {' and '.join(rebuilt[p])}" if rebuilt[p] else "")
+        return " by " + " and ".join(p + (f" (rebuilt by {', '.join(rebuilt[p])})" if rebuilt[p] else "")
+                                     for p in credited)
 
     def _order(self) -> tuple[int, int]:
         """Regions are listed by their first A node, then their first B node."""
@@ -138,31 +147,43 @@ def find_regions(m: Matching) -> list[Region]:
     a_un_set, b_un_set = set(a_un), set(b_un)
     a2b_val = {va: vb for vb, va in m.value_b2a.items()}
 
-    # 1. components of B's unmatched nodes. A new helper fed only by paired values and used by
-    # several new nodes (e.g. one mask Cast shared by every fused Attention) does not glue their
-    # components together: it becomes a shared region of its own (step 3).
-    def b_users(j: int) -> set[int]:
-        return {b_idx[id(u)] for v in m.b_nodes[j].outputs for u, _ in v.uses() if b_idx.get(id(u)) in b_un_set}
+    # 1. components of B's unmatched nodes. Helpers do not glue the components they feed together:
+    # a new node fed only by paired values and used by several new nodes (one mask Cast shared by
+    # every fused Attention), and the index a pass computes from the graph inputs alone (the
+    # packing index of remove-padding, read by every layer). Helpers that feed one component join
+    # it; helpers feeding several become a shared region of their own (step 3).
+    def b_users(j: int, *, unpaired: bool = False) -> set[int]:
+        return {b_idx[id(u)] for v in m.b_nodes[j].outputs if not (unpaired and v in m.value_b2a)
+                for u, _ in v.uses() if b_idx.get(id(u)) in b_un_set}
 
     def fed_by_paired(j: int) -> bool:
         return all(v is None or v in m.value_b2a or v.producer() is None
                    or b_idx.get(id(v.producer())) not in b_un_set for v in m.b_nodes[j].inputs)
 
-    b_shared = {j for j in b_un if fed_by_paired(j) and len(b_users(j)) >= 2}
+    hub = _input_helpers(m, b_un, b_idx)
+    b_shared = hub | {j for j in b_un if fed_by_paired(j) and len(b_users(j)) >= 2}
     uf_b = _UnionFind()
     for j in b_un:
         uf_b.find(j)
-        if j in b_shared:
+        if j in b_shared and j not in hub:
             continue
         for v in m.b_nodes[j].outputs:
             if v in m.value_b2a:
                 continue  # a paired value cuts the graph
             for user, _ in v.uses():
                 k = b_idx.get(id(user))
-                if k in b_un_set and k not in b_shared:
+                if k in b_un_set and (k in hub if j in hub else k not in b_shared):
                     uf_b.union(j, k)
+    comp0 = {j: uf_b.find(j) for j in b_un}
+    fed0: dict[int, set[int]] = collections.defaultdict(set)
+    for j in b_shared:
+        fed0[comp0[j]] |= {comp0[k] for k in b_users(j, unpaired=j in hub) if k not in b_shared}
+    joined = {j for j in hub if len(fed0[comp0[j]]) == 1}  # an input index read by one component is part of it
+    for j in joined:
+        uf_b.union(next(iter(fed0[comp0[j]])), j)
+    b_shared -= joined
     comp_of_b: dict[int, int] = {j: uf_b.find(j) for j in b_un}
-    shared_fed = {j: frozenset(comp_of_b[k] for k in b_users(j) if k not in b_shared) for j in b_shared}
+    shared_fed = {j: frozenset(uf_b.find(c) for c in fed0[comp0[j]]) for j in b_shared}
 
     # 2. which B components each unmatched A node feeds (reverse topological order)
     reach: dict[int, frozenset[int]] = {}
@@ -186,7 +207,8 @@ def find_regions(m: Matching) -> list[Region]:
         comp = b_id(comp_of_b[j])
         uf.find(comp)
         if j in b_shared and len(shared_fed[j]) >= 2:
-            uf.union(_shared(shared_fed[j]), comp)
+            if m.b_nodes[j].op_type != "Constant":  # a constant replaced no A computation
+                uf.union(_shared(shared_fed[j]), comp)
         elif j in b_shared and shared_fed[j]:
             uf.union(b_id(next(iter(shared_fed[j]))), comp)
     for i in a_un:
@@ -244,6 +266,29 @@ def find_regions(m: Matching) -> list[Region]:
                 for p in regions[t].passes:
                     r.passes.setdefault(p, 0)
     return regions
+
+
+def _input_helpers(m: Matching, b_un: list[int], b_idx: dict[int, int]) -> set[int]:
+    """Unmatched B nodes computed from graph inputs and constants alone (through each other) that
+    rebuild nothing (a provenance chain of at most one pass) and whose outputs continue no A value:
+    an index a pass derives from the inputs, such as remove-padding's packing index from the mask."""
+    out: set[int] = set()
+    for j in b_un:  # graph order is topological
+        node = m.b_nodes[j]
+        if len(provenance.chain_of(node)) > 1 or any(v in m.value_b2a for v in node.outputs):
+            continue
+        ok = True
+        for v in node.inputs:
+            if v is None or v.is_initializer() or v.const_value is not None:
+                continue
+            p = v.producer()
+            if p is None:
+                ok = ok and v.is_graph_input()
+            elif not (p.op_type == "Constant" and not p.inputs):
+                ok = ok and b_idx.get(id(p)) in out
+        if ok:
+            out.add(j)
+    return out
 
 
 def chain_since(chain: list[str], a_chains: list[list[str]]) -> list[str]:
