@@ -62,10 +62,9 @@ def command(
     without it (a warning; --strict: exit 3, no output). A lossy pass that fails (budget not met)
     stops the run: exit 3, no output, unless --keep-going.
     """
-    from rich.console import Console
-
     from graphopt import io, pipeline
     from graphopt import recipe as recipe_mod
+    from graphopt.cli.console import make_console
     from graphopt.errors import UsageError, VerificationError
     from graphopt.metrics import parse_budget
 
@@ -79,7 +78,7 @@ def command(
     io.check_output_path(model, out, in_place=in_place)
     rec = recipe_mod.load(recipe) if recipe else None
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     with console.status("optimizing…") as status:
         result = pipeline.optimize(
             model,
@@ -110,7 +109,7 @@ def command(
     if report is not None:
         rep.save(report)
     if not quiet:
-        rep.render(Console())
+        rep.render(make_console())
     if not result.ok:
         failed = rep.failed()[-1]
         lossy = not failed.exact and not keep_going
