@@ -66,6 +66,20 @@ def test_feeds_sorted_and_truncated(capsys, text_file, tmp_path):
     assert (np.diff(lengths) >= 0).all() and lengths.max() <= 24
 
 
+def test_feeds_warns_when_the_held_back_split_is_thin(capsys, tmp_path):
+    """42 sentences at --batch 32 make 2 feeds: optimize --calib would check budgets on 10 items."""
+    text = tmp_path / "few.txt"
+    text.write_text("\n".join(f"sentence number {i} about nothing much" for i in range(42)) + "\n")
+    code, out, err = _cli(capsys, "feeds", "--tokenizer", TOKENIZER, "--text", text, "-o", tmp_path / "f")
+    assert code == 0 and "wrote 2 feeds (42 items" in out
+    (line,) = err.strip().splitlines()  # one unwrapped line
+    assert line.startswith("warning: 42 lines make 2 feed(s), too few for a meaningful held-back check")
+    assert "checks budgets on the 1 held back (10 items)" in line and "at least 128 lines" in line
+    text.write_text("\n".join(f"sentence number {i} about nothing much" for i in range(128)) + "\n")
+    code, _, err = _cli(capsys, "feeds", "--tokenizer", TOKENIZER, "--text", text, "-o", tmp_path / "g")
+    assert code == 0 and err == ""  # 4 feeds, 64 items held back
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (("--text", "missing.txt"), "text file not found"),
     (("--order", "shuffled"), "unknown order"),
