@@ -105,6 +105,14 @@ def test_optimize_minilm_default_recipe(run_cli, minilm, tmp_path):
     m = onnx.load(str(out))
     tags = {p.value for n in m.graph.node for p in n.metadata_props if p.key == "graphopt.pass"}
     assert tags <= {p["name"] for p in rep["passes"]}
+    # inspect explains remove-padding's grouped attention: 6 layers, each one kernel per length group
+    code, info, _ = run_cli("inspect", out, "--json")
+    fusion = json.loads(info)["fusion"]
+    layers = fusion["attention_layers"]
+    assert code == 0 and fusion["fully_fused"] and layers["layers"] == 6 and layers["groups_per_layer"] > 1
+    assert fusion["attention"]["fused"] == 6 * layers["groups_per_layer"]
+    code, text, _ = run_cli("inspect", out)
+    assert f"6 layers x {layers['groups_per_layer']} length groups" in text and "{'attention'" not in text
 
 
 def test_verify_cli_is_compare_models(run_cli, tmp_path, mlp_path, monkeypatch):
