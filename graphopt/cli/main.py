@@ -7,6 +7,7 @@ folder), 3 verification failed or budget not met. Every failure is one ``error:`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -79,35 +80,43 @@ def _print_usage_error(e: Exception) -> None:
 
 
 def _is_usage_error(e: Exception) -> bool:
-    """A usage error of the click that typer (0.2x and later) vendors: it has ``show`` and an exit code,
-    and is not a ``click`` exception."""
+    """A usage error of the click that typer (0.2x and later) vendors: it has ``format_message`` and an
+    exit code, and is not a ``click`` exception."""
     try:
         from typer.exceptions import TyperException
     except ImportError:  # older typer raises click's own exceptions
         return False
-    return isinstance(e, TyperException) and callable(getattr(e, "show", None)) and isinstance(
+    return isinstance(e, TyperException) and callable(getattr(e, "format_message", None)) and isinstance(
         getattr(e, "exit_code", None), int)
 
 
-def _help_width() -> None:
-    """Without a terminal, ``--help`` is laid out at ``COLUMNS`` or HELP_PIPE_WIDTH columns instead of rich's 80
-    (typer reads its width from ``TERMINAL_WIDTH`` once, at import; a set ``TERMINAL_WIDTH`` wins)."""
+@contextlib.contextmanager
+def _help_width():
+    """Without a terminal, ``--help`` is laid out at ``COLUMNS`` or HELP_PIPE_WIDTH columns instead of
+    rich's 80, for this run only (typer reads ``TERMINAL_WIDTH`` once, at import; when set, it wins)."""
     from graphopt.cli.console import HELP_PIPE_WIDTH, stream_is_tty, terminal_columns
 
     try:
         from typer import rich_utils
     except ImportError:  # typer without rich
+        yield
         return
-    if getattr(rich_utils, "MAX_WIDTH", 0) is None and not stream_is_tty(sys.stdout):
+    before = getattr(rich_utils, "MAX_WIDTH", 0)
+    if before is None and not stream_is_tty(sys.stdout):
         rich_utils.MAX_WIDTH = terminal_columns() or HELP_PIPE_WIDTH
+    try:
+        yield
+    finally:
+        if before is None:
+            rich_utils.MAX_WIDTH = before
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
-    _help_width()
     try:
-        rv = app(args=argv, prog_name="graphopt", standalone_mode=False)
+        with _help_width():
+            rv = app(args=argv, prog_name="graphopt", standalone_mode=False)
         # with standalone_mode=False click returns the code of a raised Exit
         code = rv if isinstance(rv, int) else 0
     except GraphoptError as e:
