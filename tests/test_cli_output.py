@@ -152,6 +152,9 @@ def test_unknown_command_is_a_one_line_usage_error(run_cli):
     code, _, err = run_cli("inspect", "--no-such-option", "m.onnx")
     assert code == 2 and err.splitlines()[0] == "error: No such option: --no-such-option", err
     assert err.splitlines()[1] == "hint: 'graphopt inspect -h' for help"
+    for args in ([], ["optimize"]):  # no arguments: the help, not an empty error line
+        code, out, err = run_cli(*args)
+        assert code == 2 and "Usage: graphopt" in out and "error:" not in err, (out, err)
 
 
 # ------------------------------------------------------------------ inspect's fusion table

@@ -74,9 +74,13 @@ def _print_error(message: str, hint: str | None) -> None:
 def _print_usage_error(e: Exception) -> None:
     """A click usage error (bad option, missing argument, unknown command) as the one-line error of
     every other failure, with where to find help."""
+    message = e.format_message()
+    if type(e).__name__ == "NoArgsIsHelpError" or not message.strip():  # no arguments: the help, as click shows it
+        e.show()
+        return
     ctx = getattr(e, "ctx", None)
     path = (getattr(ctx, "command_path", "") if ctx is not None else "") or "graphopt"
-    _print_error(e.format_message(), f"'{path} -h' for help")
+    _print_error(message, f"'{path} -h' for help")
 
 
 def _is_usage_error(e: Exception) -> bool:
