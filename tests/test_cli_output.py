@@ -112,6 +112,28 @@ def test_passes_inspect_verify_bench_diff_not_wrapped_without_terminal(piped_mod
     _assert_unwrapped(r.stdout, ["A", "B", "delta"], ["initializers", "parameters", "bytes"])
 
 
+def test_console_factory_width(monkeypatch):
+    """Piped: COLUMNS when set, else in effect unlimited; on a narrow terminal headers and names stay whole."""
+    import io
+
+    from rich.console import Console
+
+    from graphopt.cli.console import PIPE_WIDTH, make_console, table
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert make_console().width == PIPE_WIDTH
+    monkeypatch.setenv("COLUMNS", "132")
+    assert make_console().width == 132
+    narrow = Console(file=io.StringIO(), width=44)
+    t = table("t", [("pass", {"no_wrap": True}), "status", "verification"])
+    t.add_row("remove-padding", "rolled-back", "max_abs 1.00e-06 cos_min 0.999999 and more words")
+    narrow.print(t)  # rich alone would shrink "verification" to two lines at this width
+    text = narrow.file.getvalue()
+    (header,) = _tables(text)[0]["header"]
+    assert all(h in header for h in ("pass", "status", "verification")) and "remove-padding" in text, text
+
+
 def test_error_lines_do_not_wrap_without_terminal(tmp_path):
     deep = tmp_path.joinpath(*["a-rather-long-folder-name"] * 6) / "model-that-is-not-there.onnx"
     r = _piped("inspect", deep)

@@ -52,7 +52,8 @@ def table(title: str | None, columns: list[str | tuple[str, dict[str, Any]]], **
 
     ``columns`` are header strings or ``(header, column options)``; each column is at least as wide as
     its header's longest word, and a column marked ``no_wrap=True`` (a pass or tensor name) is never
-    folded. Right-aligned columns: pass ``{"justify": "right"}``.
+    folded. Other cells wrap at spaces on a narrow terminal; a single word longer than its column is
+    folded rather than cut off. Right-aligned columns: pass ``{"justify": "right"}``.
     """
     from rich.table import Table
 
@@ -61,6 +62,6 @@ def table(title: str | None, columns: list[str | tuple[str, dict[str, Any]]], **
     for col in columns:
         header, opts = (col, {}) if isinstance(col, str) else col
         longest_word = max((len(w) for w in header.split()), default=0)
-        opts = {"min_width": longest_word, **opts}
+        opts = {"min_width": longest_word, "overflow": "fold", **opts}
         t.add_column(header, **opts)
     return t
