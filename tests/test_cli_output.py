@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -75,6 +76,9 @@ def test_optimize_report_not_wrapped_without_terminal(piped_models):
     _assert_unwrapped(r.stdout, ["pass", "status", "modified", "nodes", "op delta", "verification"],
                       ["cleanup", "fuse", "remove-padding"], rows=3)
     assert "\x1b[" not in r.stdout + r.stderr  # no colour codes in a log
+    r = _piped("optimize", mlp, "-o", d / "mlp.opt2.onnx", "--json")  # the report as JSON on stdout
+    assert r.returncode == 0 and [p["name"] for p in json.loads(r.stdout)["passes"]] == ["cleanup", "fuse",
+                                                                                         "remove-padding"]
 
 
 def test_passes_inspect_verify_bench_diff_not_wrapped_without_terminal(piped_models):
@@ -261,8 +265,6 @@ def test_max_rel_ignores_elements_below_the_floor():
 
 
 def test_verify_json_states_the_floor(run_cli, mlp_path):
-    import json
-
     code, out, _ = run_cli("verify", mlp_path, mlp_path, "--json")
     assert code == 0
     y = json.loads(out)["outputs"]["y"]

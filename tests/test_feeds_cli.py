@@ -4,6 +4,7 @@ and their round trip through `graphopt verify --calib` and `graphopt bench --cal
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -75,6 +76,9 @@ def test_feeds_warns_when_the_held_back_split_is_thin(capsys, tmp_path):
     (line,) = err.strip().splitlines()  # one unwrapped line
     assert line.startswith("warning: 42 lines make 2 feed(s), too few for a meaningful held-back check")
     assert "checks budgets on the 1 held back (10 items)" in line and "at least 128 lines" in line
+    code, out, err = _cli(capsys, "feeds", "--tokenizer", TOKENIZER, "--text", text, "-o", tmp_path / "j", "--json")
+    d = json.loads(out)
+    assert code == 0 and (d["feeds"], d["items"]) == (2, 42) and d["warning"] == line.removeprefix("warning: ")
     text.write_text("\n".join(f"sentence number {i} about nothing much" for i in range(128)) + "\n")
     code, _, err = _cli(capsys, "feeds", "--tokenizer", TOKENIZER, "--text", text, "-o", tmp_path / "g")
     assert code == 0 and err == ""  # 4 feeds, 64 items held back

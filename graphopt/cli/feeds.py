@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from graphopt.cli.options import Json
+
 #: below these, the half of the feeds that ``optimize --calib`` holds back to check a lossy pass's budget
 #: (``graphopt.feeds.split_feeds``) is too small for the check to mean much
 MIN_FEEDS = 4
@@ -42,6 +44,7 @@ def command(
     max_length: Annotated[int, typer.Option("--max-length", help="Truncate items to this many tokens.")] = 128,
     order: Annotated[str, typer.Option("--order", help="random (seeded), sorted (by length) or file.")] = "random",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random order.")] = 0,
+    json_: Json = False,
 ) -> None:
     """Tokenize text into padded batches, one .npz feed per batch.
 
@@ -54,10 +57,17 @@ def command(
     from graphopt.exporters.text_feeds import write_text_feeds
 
     stats = write_text_feeds(tokenizer, text, output, batch=batch, max_length=max_length, order=order, seed=seed)
-    typer.echo(
-        f"wrote {stats.batches} feeds ({stats.items} items, batch {batch}, {order} order) to {stats.path}; "
-        f"padding {100 * stats.padding:.1f}% of {stats.slots} positions"
-    )
     warning = thin_split_warning(stats.items, batch)
-    if warning:
+    if json_:
+        import json
+
+        typer.echo(json.dumps({"path": str(stats.path), "feeds": stats.batches, "items": stats.items, "batch": batch,
+                               "order": order, "padding": stats.padding, "slots": stats.slots, "warning": warning},
+                              indent=2))
+    else:
+        typer.echo(
+            f"wrote {stats.batches} feeds ({stats.items} items, batch {batch}, {order} order) to {stats.path}; "
+            f"padding {100 * stats.padding:.1f}% of {stats.slots} positions"
+        )
+    if warning:  # on stderr, with --json too
         make_console(stderr=True).print(f"[bold yellow]warning:[/] {escape(warning)}")

@@ -12,6 +12,7 @@ from graphopt.cli.options import (
     Calib,
     InputShape,
     InputValue,
+    Json,
     Provider,
     Quiet,
     Report,
@@ -53,6 +54,7 @@ def command(
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
+    json_: Json = False,
     quiet: Quiet = False,
 ) -> None:
     """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.
@@ -108,7 +110,9 @@ def command(
         rep.output = str(out)
     if report is not None:
         rep.save(report)
-    if not quiet:
+    if json_:
+        typer.echo(rep.to_json())
+    elif not quiet:
         rep.render(make_console())
     if not result.ok:
         failed = rep.failed()[-1]
