@@ -227,7 +227,7 @@ def test_cli_json_is_a_flag_and_report_a_file(files, tmp_path, run_cli):
 
 def test_cli_errors(files, tmp_path, run_cli):
     code, _, err = run_cli("diff", files["a"], tmp_path / "missing.onnx")
-    assert code == 1 and "missing.onnx" in err
+    assert code == 2 and "missing.onnx" in err  # a missing input is a usage error everywhere
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     code, _, err = run_cli("diff", bad, files["a"])
