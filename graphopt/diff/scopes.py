@@ -1,0 +1,108 @@
+"""Name scopes of nodes (module paths such as ``encoder.layer.0.attention``), for grouping a graph.
+
+The torch exporters record where each node came from: the dynamo exporter in the
+``pkg.torch.onnx.name_scopes`` metadata (a Python list literal of dotted module paths, the last
+being the FX node), the TorchScript exporter in the node name (``/encoder/layer.0/attention/MatMul``).
+``node_scope`` returns the enclosing scopes, outermost first, each as its full path.
+
+Nodes a graphopt pass created carry no such record; ``inherit_scopes`` gives them the scope of the
+A node they are paired with, else of their first consumer (a helper belongs where its result is
+first used: a mask shared by every layer goes with the first layer, which keeps the groups in
+data-flow order, without cycles between layers), else of their last producer; where that is shallower than the
+scope the A nodes of its rewrite region share, it takes the region's.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+from typing import Any
+
+import onnx_ir as ir
+
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+#: scope entries that say "no module" (torch's placeholder for nodes outside any nn.Module)
+_NO_MODULE = ("_empty_nn_module_stack",)
+
+
+def node_scope(node: ir.Node) -> list[str]:
+    """The scopes enclosing ``node``, outermost first, as full paths; [] when none is recorded."""
+    raw = node.metadata_props.get(NAME_SCOPES)
+    if raw:
+        try:
+            scopes = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            scopes = None
+        if isinstance(scopes, list) and all(isinstance(s, str) for s in scopes):
+            return [s for s in scopes if s and not s.startswith(_NO_MODULE)]
+    name = node.name or ""
+    if name.startswith("/") and name.count("/") >= 2:
+        parts = name.split("/")[1:-1]  # the last part names the node itself
+        return ["/".join(parts[: k + 1]) for k in range(len(parts)) if parts[k]]
+    return []
+
+
+def _common_prefix(scopes: Sequence[Sequence[str]]) -> list[str]:
+    out: list[str] = []
+    for level in zip(*scopes):
+        if any(s != level[0] for s in level):
+            break
+        out.append(level[0])
+    return out
+
+
+def inherit_scopes(graphs: dict[str, list[dict[str, Any]]], regions: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Scope of every node record of both graphs, by id; B nodes without one inherit it (module doc)."""
+    scope: dict[str, list[str]] = {}
+    for side in ("a", "b"):
+        for r in graphs[side]:
+            scope[r["id"]] = list(r.get("scope") or [])
+    for r in graphs["b"]:
+        if not scope[r["id"]] and r.get("match") and scope.get(r["match"]):
+            scope[r["id"]] = list(scope[r["match"]])
+    b = graphs["b"]
+    by_region = {g["id"]: g for g in regions}
+    weak: dict[int, list[str]] = {}  # the scopes the A nodes of a B node's region share
+    for k, r in enumerate(b):
+        g = by_region.get(r.get("region"))
+        if not scope[r["id"]] and g is not None:
+            a_scopes = [scope[i] for i in g["a_nodes"] if scope.get(i)]
+            weak[k] = _common_prefix(a_scopes) if a_scopes else []
+
+    def settle(k: int, found: list[str]) -> list[str]:
+        # the region's shared scope only where it is deeper than the propagated one: moving
+        # nodes into an unrelated deeper scope makes groups feed each other both ways
+        w = weak.get(k, [])
+        return list(found) if found[: len(w)] == w or len(found) >= len(w) else list(w)
+
+    producer = {o: k for k, r in enumerate(b) for o in r["outputs"] if o}
+    consumers: dict[int, list[int]] = {k: [] for k in range(len(b))}
+    for k, r in enumerate(b):
+        for v in r["inputs"]:
+            if v in producer:
+                consumers[producer[v]].append(k)
+    known = {k for k, r in enumerate(b) if scope[r["id"]]}
+    for _ in range(len(b)):
+        changed = False
+        for k in reversed(range(len(b))):  # consumers come later in graph order
+            if k in known:
+                continue
+            near = [c for c in consumers[k] if c in known]
+            if near:
+                scope[b[k]["id"]] = settle(k, scope[b[min(near)]["id"]])
+                known.add(k)
+                changed = True
+        for k, r in enumerate(b):
+            if k in known:
+                continue
+            near = [p for v in r["inputs"] if (p := producer.get(v)) is not None and p in known]
+            if near:
+                scope[r["id"]] = settle(k, scope[b[max(near)]["id"]])
+                known.add(k)
+                changed = True
+        if not changed:
+            break
+    for k, r in enumerate(b):
+        if k not in known and weak.get(k):
+            scope[r["id"]] = list(weak[k])
+    return scope
