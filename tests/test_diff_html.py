@@ -36,7 +36,7 @@ class Page:
     """A report open in headless Chromium; ``errors`` collects console errors and uncaught exceptions."""
 
     def __init__(self, browser, path: Path, fragment: str = ""):
-        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page = browser.new_page(viewport={"width": 1800, "height": 1000})
         self.errors: list[str] = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type in ("error", "warning") else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
@@ -72,7 +72,9 @@ def browser():
         b.close()
 
 
-def _write(tmp: Path, result, name: str = "diff.html") -> Path:
+def _write(tmp: Path, result, name: str = "diff.html", labels: tuple[str, str] | None = None) -> Path:
+    if labels:  # file names, not temporary paths, in the screenshots
+        result.a["label"], result.b["label"] = labels
     page = tmp / name
     page.write_text(render_html(result), encoding="utf-8")
     return page
@@ -98,17 +100,19 @@ def _rec(i, side, scope, inputs, outputs, match=None, region=None):
             "region": region, "inputs": inputs, "outputs": outputs, "scope": scope}
 
 
-def test_inherit_scopes_pairs_then_first_consumer_then_producer():
-    l0, l1 = ["enc", "enc.layer.0"], ["enc", "enc.layer.1"]
-    a = [_rec(0, "a", l0, ["x"], ["h0"]), _rec(1, "a", l1, ["h0"], ["h1"])]
+def test_inherit_scopes_pairs_then_consumers_then_producer():
+    l0, l1, l2 = (["enc", f"enc.layer.{k}"] for k in range(3))
+    a = [_rec(0, "a", l0, ["x"], ["h0"]), _rec(1, "a", l1, ["h0"], ["h1"]), _rec(2, "a", l2, ["h1"], ["h2"])]
     b = [
-        _rec(0, "b", [], ["x"], ["m"]),                  # helper used by both layers -> the first (layer 0)
-        _rec(1, "b", [], ["x", "m"], ["h0"], match="a0"),  # paired with a0 -> layer 0
-        _rec(2, "b", [], ["h0", "m"], ["h1"], match="a1"),  # paired with a1 -> layer 1
-        _rec(3, "b", [], ["h1"], ["y"]),                 # no consumer: its producer's scope
+        _rec(0, "b", [], ["x"], ["m"]),                     # preamble mask used by all layers -> "enc"
+        _rec(1, "b", [], ["x", "m"], ["h0"], match="a0"),   # paired -> layer 0
+        _rec(2, "b", [], ["h0"], ["t"]),                    # after layer 0, used by layers 1 and 2 -> the first
+        _rec(3, "b", [], ["h0", "t", "m"], ["h1"], match="a1"),
+        _rec(4, "b", [], ["h1", "t", "m"], ["h2"], match="a2"),
+        _rec(5, "b", [], ["h2"], ["y"]),                    # no consumer: its producer's scope
     ]
     s = inherit_scopes({"a": a, "b": b}, [])
-    assert [s[f"b{i}"] for i in range(4)] == [l0, l0, l1, l1]
+    assert [s[f"b{i}"] for i in range(6)] == [["enc"], l0, l1, l1, l2, l2]
 
 
 # ------------------------------------------------------------------ synthetic models
@@ -218,7 +222,7 @@ def _expand_layer(p: Page, layer: str, shot: str) -> None:
 
 @needs_browser
 def test_minilm_html_in_chromium(browser, minilm_pair, tmp_path):
-    page = _write(tmp_path, diff_models(*minilm_pair))
+    page = _write(tmp_path, diff_models(*minilm_pair), labels=tuple(f.name for f in minilm_pair))
     size = page.stat().st_size
     assert size < 1_000_000, size  # self-contained: data, dagre and the script
     p = Page(browser, page)
@@ -239,7 +243,7 @@ def test_minilm_html_in_chromium(browser, minilm_pair, tmp_path):
 
 @needs_browser
 def test_decoder_html_in_chromium(browser, gpt2_pair, tmp_path):
-    page = _write(tmp_path, diff_models(*gpt2_pair))
+    page = _write(tmp_path, diff_models(*gpt2_pair), labels=tuple(f.name for f in gpt2_pair))
     p = Page(browser, page)
     assert p.errors == []
     assert p.count(".node.group[data-group='inner.transformer.h.0']") == 2  # closed on both sides

@@ -27,6 +27,8 @@ from graphopt.diff.scopes import inherit_scopes
 
 #: loose nodes beside sub-groups are gathered into one group per pass past this many
 LOOSE_MAX = 3
+#: leaf groups of at most this many nodes are dissolved into their parent
+TINY_GROUP = 2
 #: containers are opened at load while each side shows at most this many boxes
 INITIAL_BOXES = 16
 
@@ -70,13 +72,20 @@ def _side_tree(records: list[dict[str, Any]], scope: dict[str, list[str]], strip
             group(key, parent)
             parent = key
         groups[parent]["nodes"].append(i)
-    # a group with a single child is that child
+    # a group with a single child is that child; a leaf group of two nodes (one decomposed op,
+    # like a Shape+Squeeze ``sym_size``) is not worth a box of its own
     changed = True
     while changed:
         changed = False
         for key in list(groups):
             g = groups.get(key)
-            if key and g is not None and len(g["groups"]) + len(g["nodes"]) == 1:
+            if key and g is not None and not g["groups"] and len(g["nodes"]) <= TINY_GROUP:
+                parent = groups[g["parent"]]
+                parent["groups"].remove(key)
+                parent["nodes"] += g["nodes"]
+                del groups[key]
+                changed = True
+            elif key and g is not None and len(g["groups"]) + len(g["nodes"]) == 1:
                 parent = groups[g["parent"]]
                 k = parent["groups"].index(key)
                 if g["groups"]:
@@ -195,7 +204,7 @@ header h1{font-size:16px;margin:0 0 4px 0}
 .panes{display:flex;gap:8px;padding:0 8px 8px 8px}
 .pane{flex:1;border:1px solid #bbb;background:#fff;overflow:auto;height:80vh;position:relative}
 .pane h2{font-size:13px;margin:0;padding:4px 8px;background:#eceff1;position:sticky;top:0;left:0;z-index:1}
-svg text{font:12px monospace;pointer-events:none}
+svg text{font:13px monospace;pointer-events:none}
 .node rect{stroke:#78909c;stroke-width:1;fill:#eceff1}
 .node.removed rect{fill:#ffcdd2;stroke:#c62828}
 .node.added rect{fill:#c8e6c9;stroke:#2e7d32}
@@ -279,8 +288,7 @@ function openFor(side, idx){ idx.forEach(i => { const k = groupOf[side][i]; if (
 function layout(side){
   const T = V.trees[side], nodes = D.graphs[side];
   const g = new dagre.graphlib.Graph({compound: true});
-  g.setGraph({rankdir: 'TB', nodesep: 16, ranksep: 30, edgesep: 8, marginx: 12, marginy: 12});
-  g.setDefaultEdgeLabel(() => ({}));
+  g.setGraph({rankdir: 'TB', nodesep: 16, ranksep: 30, edgesep: 8, marginx: 12, marginy: 12, acyclicer: 'greedy'});
   const walk = (key, parent) => {
     T[key].nodes.forEach(i => { g.setNode('n' + i, {width: NW, height: NH, kind: 'node', i: i}); if (parent) g.setParent('n' + i, parent); });
     T[key].groups.forEach(s => {
@@ -300,7 +308,9 @@ function layout(side){
   nodes.forEach((n, i) => n.inputs.forEach(v => {
     if (!(v in producer)) return;
     const p = rep(side, producer[v]), c = rep(side, i);
-    if (p && c && p !== c && !g.hasEdge(p, c)) g.setEdge(p, c);
+    if (!p || !c || p === c) return;
+    // weight: how many tensors the box edge stands for (the majority direction wins a cycle)
+    if (g.hasEdge(p, c)) g.edge(p, c).weight += 1; else g.setEdge(p, c, {weight: 1});
   }));
   dagre.layout(g);
   return g;
@@ -312,7 +322,10 @@ function draw(side){
   const T = V.trees[side];
   const g = layout(side);
   const gr = g.graph();
-  const svg = el('svg', {width: Math.ceil(gr.width || 10) + 10, height: Math.ceil(gr.height || 10) + 30, id: 'svg-' + side}, null);
+  // shrink a graph wider than its pane to fit, down to 70 % (the labels stay legible)
+  const gw = Math.ceil(gr.width || 10) + 10, gh = Math.ceil(gr.height || 10) + 30;
+  const k = Math.max(0.7, Math.min(1, (pane.clientWidth - 4) / gw));
+  const svg = el('svg', {width: Math.ceil(gw * k), height: Math.ceil(gh * k), viewBox: `0 0 ${gw} ${gh}`, id: 'svg-' + side}, null);
   pane.appendChild(svg);
   const root = el('g', {transform: 'translate(0,18)'}, svg);
   const cg = el('g', {}, root), eg = el('g', {}, root), ng = el('g', {}, root);
@@ -374,7 +387,7 @@ function draw(side){
     t1.textContent = cut(n.op, 22);
     let sub = n.name || n.outputs[0] || '';
     if (n.max_abs !== undefined) sub = 'err ' + fmt(n.max_abs) + ' ' + sub;
-    t2.textContent = cut(sub, 25);
+    t2.textContent = cut(sub, 23);
     const tip = [n.op + ' ' + JSON.stringify(n.name), 'status: ' + n.status];
     if (n.pass) tip.push('pass: ' + n.pass);
     if (n.region !== null) tip.push('region #' + n.region);

@@ -6,9 +6,9 @@ being the FX node), the TorchScript exporter in the node name (``/encoder/layer.
 ``node_scope`` returns the enclosing scopes, outermost first, each as its full path.
 
 Nodes a graphopt pass created carry no such record; ``inherit_scopes`` gives them the scope of the
-A node they are paired with, else of their first consumer (a helper belongs where its result is
-first used: a mask shared by every layer goes with the first layer, which keeps the groups in
-data-flow order, without cycles between layers), else of their last producer; where that is shallower than the
+A node they are paired with, else of their consumers: a node of the preamble (no paired node
+among its ancestors, like a mask shared by every layer) gets the scope its consumers share; any other node the scope of its first consumer (a helper belongs where its result
+is first used, which keeps the groups in data-flow order, without cycles between layers), else of their last producer; where that is shallower than the
 scope the A nodes of its rewrite region share, it takes the region's.
 """
 
@@ -70,10 +70,10 @@ def inherit_scopes(graphs: dict[str, list[dict[str, Any]]], regions: list[dict[s
             weak[k] = _common_prefix(a_scopes) if a_scopes else []
 
     def settle(k: int, found: list[str]) -> list[str]:
-        # the region's shared scope only where it is deeper than the propagated one: moving
-        # nodes into an unrelated deeper scope makes groups feed each other both ways
+        # the region's shared scope only where it extends the propagated one: moving nodes
+        # into an unrelated scope makes groups feed each other both ways
         w = weak.get(k, [])
-        return list(found) if found[: len(w)] == w or len(found) >= len(w) else list(w)
+        return list(w) if w[: len(found)] == found and len(w) > len(found) else list(found)
 
     producer = {o: k for k, r in enumerate(b) for o in r["outputs"] if o}
     consumers: dict[int, list[int]] = {k: [] for k in range(len(b))}
@@ -81,19 +81,29 @@ def inherit_scopes(graphs: dict[str, list[dict[str, Any]]], regions: list[dict[s
         for v in r["inputs"]:
             if v in producer:
                 consumers[producer[v]].append(k)
+    # the preamble: nodes with no paired node among their ancestors (the mask and index helpers
+    # computed from the inputs before the first paired node of the main path)
+    pre: set[int] = set()
+    for k, r in enumerate(b):
+        if all(producer.get(v) is None or (producer[v] in pre and not b[producer[v]].get("match"))
+               for v in r["inputs"] if v):
+            pre.add(k)
     known = {k for k, r in enumerate(b) if scope[r["id"]]}
-    for _ in range(len(b)):
+    strict = True  # a preamble node waits for all its consumers (their shared scope)
+    for _ in range(2 * len(b) + 2):
         changed = False
         for k in reversed(range(len(b))):  # consumers come later in graph order
             if k in known:
                 continue
             near = [c for c in consumers[k] if c in known]
-            if near:
-                scope[b[k]["id"]] = settle(k, scope[b[min(near)]["id"]])
-                known.add(k)
-                changed = True
+            if not near or (strict and k in pre and len(near) < len(consumers[k])):
+                continue
+            found = _common_prefix([scope[b[c]["id"]] for c in near]) if k in pre else scope[b[min(near)]["id"]]
+            scope[b[k]["id"]] = settle(k, found)
+            known.add(k)
+            changed = True
         for k, r in enumerate(b):
-            if k in known:
+            if k in known or (strict and consumers[k]):
                 continue
             near = [p for v in r["inputs"] if (p := producer.get(v)) is not None and p in known]
             if near:
@@ -101,8 +111,15 @@ def inherit_scopes(graphs: dict[str, list[dict[str, Any]]], regions: list[dict[s
                 known.add(k)
                 changed = True
         if not changed:
-            break
+            if not strict:
+                break
+            strict = False
     for k, r in enumerate(b):
         if k not in known and weak.get(k):
             scope[r["id"]] = list(weak[k])
+    # a new preamble node feeding several scopes belongs to the scope they share, even when its
+    # rewrite region says deeper (else a layer would feed the helpers of an earlier layer)
+    for k in reversed(sorted(pre)):
+        if len(consumers[k]) >= 2 and not b[k].get("match") and not b[k].get("scope"):
+            scope[b[k]["id"]] = _common_prefix([scope[b[k]["id"]]] + [scope[b[c]["id"]] for c in consumers[k]])
     return scope
