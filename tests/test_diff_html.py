@@ -135,6 +135,11 @@ def test_html_renders_both_graphs_without_console_errors(browser, report):
     assert p.boxes("a") > 0 and p.boxes("b") > 0
     assert p.count(".node.removed") == 18 and p.count(".node.added") == 2
     assert p.count(".node.modified.bad") == 2  # mm2 (both sides) reads the perturbed weight
+    # the divergence path h2 -> r2 -> ln2 -> y, filled by error; the rest keeps the status colour
+    assert p.count("#pane-a .node.onpath") == 4
+    for node in ("a11", "a12", "a21", "a22"):
+        assert "fill:rgb(" in p.page.get_attribute(f"#node-{node} rect", "style")
+    assert p.page.get_attribute("#node-a0 rect", "style") is None
 
 
 @needs_browser

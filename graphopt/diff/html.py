@@ -23,7 +23,7 @@ from importlib import resources
 from typing import Any
 
 from graphopt.diff.result import DiffResult
-from graphopt.diff.scopes import inherit_scopes
+from graphopt.diff.scopes import common_prefix, inherit_scopes
 
 #: loose nodes beside sub-groups are gathered into one group per pass past this many
 LOOSE_MAX = 3
@@ -37,15 +37,6 @@ INITIAL_BOXES = 16
 def _dagre_js() -> str:
     js = resources.files("graphopt.diff").joinpath("assets/dagre.min.js").read_text(encoding="utf-8")
     return "\n".join(line for line in js.splitlines() if not line.startswith("//# sourceMappingURL"))
-
-
-def _common_prefix(scopes: list[list[str]]) -> int:
-    n = 0
-    for level in zip(*scopes):
-        if any(s != level[0] for s in level):
-            break
-        n += 1
-    return n
 
 
 def _label(key: str, parent: str) -> str:
@@ -177,7 +168,7 @@ def view_model(result: DiffResult) -> dict[str, Any]:
     """What the page draws: the group tree of each side and the groups open at load."""
     scope = inherit_scopes(result.graphs, result.regions)
     scoped = [s for s in scope.values() if s]
-    strip = _common_prefix(scoped) if scoped else 0
+    strip = len(common_prefix(scoped))
     if scoped and strip == min(len(s) for s in scoped):
         strip -= 1  # keep at least one level for the most shallow scope
     strip = max(strip, 0)
@@ -243,13 +234,15 @@ if (D.numeric && D.numeric.path){
   D.numeric.path.forEach(p => {
     const i = prodA[p.a];
     if (i === undefined) return;
-    heat.a[i] = p.max_abs;
+    // beyond tolerance with a small max_abs: the shapes differ (counted as infinite error)
+    const err = (p.exceeds && !(p.max_abs > atol)) ? 'inf' : p.max_abs;
+    heat.a[i] = err;
     const m = D.graphs.a[i].match;
-    if (m && m in idxB) heat.b[idxB[m]] = p.max_abs;
+    if (m && m in idxB) heat.b[idxB[m]] = err;
   });
 }
 function heatColor(err){
-  const e = (err === 'inf' || typeof err !== 'number') ? 1e30 : err;
+  const e = (err === 'inf' || typeof err !== 'number' || !isFinite(err)) ? 1e30 : err;
   const lo = Math.log10(Math.max(atol || 1e-6, 1e-12));
   const t = Math.min(1, Math.max(0, (Math.log10(Math.max(e, 1e-30)) - lo + 1) / 5));
   const r = 255, g = Math.round(241 - t * 190), b = Math.round(160 - t * 130);
@@ -370,7 +363,7 @@ function draw(side){
       if (s.modified) parts.push('~' + s.modified + ' modified');
       t3.textContent = parts.length ? parts.join(' ') : 'unchanged';
       const hot = Object.keys(heat[side]).filter(i => { const k = groupOf[side][i]; return k !== undefined && ancestors(side, k).includes(v.key); });
-      if (hot.length) rect.setAttribute('style', 'fill:' + heatColor(Math.max(...hot.map(i => heat[side][i]))));
+      if (hot.length) rect.setAttribute('style', 'fill:' + heatColor(Math.max(...hot.map(i => heat[side][i] === 'inf' ? Infinity : heat[side][i]))));
       el('title', {}, box).textContent = v.key + '\nclick to open';
       box.addEventListener('click', () => { expanded.add(v.key); drawAll(); scrollToGroup(v.key); });
       return;
@@ -379,6 +372,7 @@ function draw(side){
     let cls = 'node ' + n.status;
     if (atol !== null && n.max_abs !== undefined && isBad(n)) cls += ' bad';
     if (marked[side].has(i)) cls += ' ' + markClass;
+    if (i in heat[side]) cls += ' onpath';
     box.setAttribute('class', cls);
     box.setAttribute('id', 'node-' + n.id);
     if (i in heat[side]) rect.setAttribute('style', 'fill:' + heatColor(heat[side][i]));
@@ -393,6 +387,7 @@ function draw(side){
     if (n.region !== null) tip.push('region #' + n.region);
     if (n.changes && n.changes.length) tip.push('changes: ' + n.changes.join('; '));
     if (n.max_abs !== undefined) tip.push('max abs error: ' + n.max_abs);
+    if (i in heat[side]) tip.push('on the divergence path (first divergence to the nearest output)');
     if (groupOf[side][i]) tip.push('scope: ' + groupOf[side][i]);
     tip.push('in: ' + n.inputs.join(', '), 'out: ' + n.outputs.join(', '));
     el('title', {}, box).textContent = tip.join('\n');

@@ -42,7 +42,8 @@ def node_scope(node: ir.Node) -> list[str]:
     return []
 
 
-def _common_prefix(scopes: Sequence[Sequence[str]]) -> list[str]:
+def common_prefix(scopes: Sequence[Sequence[str]]) -> list[str]:
+    """The leading scopes all of ``scopes`` share."""
     out: list[str] = []
     for level in zip(*scopes):
         if any(s != level[0] for s in level):
@@ -67,7 +68,7 @@ def inherit_scopes(graphs: dict[str, list[dict[str, Any]]], regions: list[dict[s
         g = by_region.get(r.get("region"))
         if not scope[r["id"]] and g is not None:
             a_scopes = [scope[i] for i in g["a_nodes"] if scope.get(i)]
-            weak[k] = _common_prefix(a_scopes) if a_scopes else []
+            weak[k] = common_prefix(a_scopes) if a_scopes else []
 
     def settle(k: int, found: list[str]) -> list[str]:
         # the region's shared scope only where it extends the propagated one: moving nodes
@@ -98,7 +99,7 @@ def inherit_scopes(graphs: dict[str, list[dict[str, Any]]], regions: list[dict[s
             near = [c for c in consumers[k] if c in known]
             if not near or (strict and k in pre and len(near) < len(consumers[k])):
                 continue
-            found = _common_prefix([scope[b[c]["id"]] for c in near]) if k in pre else scope[b[min(near)]["id"]]
+            found = common_prefix([scope[b[c]["id"]] for c in near]) if k in pre else scope[b[min(near)]["id"]]
             scope[b[k]["id"]] = settle(k, found)
             known.add(k)
             changed = True
@@ -121,5 +122,5 @@ def inherit_scopes(graphs: dict[str, list[dict[str, Any]]], regions: list[dict[s
     # rewrite region says deeper (else a layer would feed the helpers of an earlier layer)
     for k in reversed(sorted(pre)):
         if len(consumers[k]) >= 2 and not b[k].get("match") and not b[k].get("scope"):
-            scope[b[k]["id"]] = _common_prefix([scope[b[k]["id"]]] + [scope[b[c]["id"]] for c in consumers[k]])
+            scope[b[k]["id"]] = common_prefix([scope[b[k]["id"]]] + [scope[b[c]["id"]] for c in consumers[k]])
     return scope
