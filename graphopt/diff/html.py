@@ -46,6 +46,13 @@ def _label(key: str, parent: str) -> str:
     return key.rsplit("/", 1)[-1] if key.startswith("/") else key
 
 
+def _pass_label(p: Any) -> str:
+    """The pass that made a node, for grouping (a provenance chain counts by its first pass)."""
+    if isinstance(p, list | tuple):
+        p = p[0] if p else None
+    return str(p) if p else "other ops"
+
+
 def _side_tree(records: list[dict[str, Any]], scope: dict[str, list[str]], strip: int) -> dict[str, dict]:
     """Groups of one side by key ("" is the root): label, parent, child groups, own node indices."""
     groups: dict[str, dict] = {"": {"label": "", "parent": None, "groups": [], "nodes": []}}
@@ -94,7 +101,7 @@ def _side_tree(records: list[dict[str, Any]], scope: dict[str, list[str]], strip
         if g["groups"] and len(g["nodes"]) > LOOSE_MAX:
             by_label: dict[str, list[int]] = {}
             for i in g["nodes"]:
-                by_label.setdefault(records[i]["pass"] or "other ops", []).append(i)
+                by_label.setdefault(_pass_label(records[i].get("pass")), []).append(i)
             g["nodes"] = []
             for label, idx in by_label.items():
                 if len(idx) == 1:
