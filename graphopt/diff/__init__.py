@@ -23,6 +23,7 @@ from graphopt.diff import deltas
 from graphopt.diff.matching import Matching, NodeId, Side, match_graphs, pass_of
 from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
+from graphopt.diff.scopes import node_scope
 from graphopt.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
 from graphopt.report import op_histogram, op_key
 
@@ -56,6 +57,7 @@ def _node_records(m: Matching, side: Side) -> list[dict[str, Any]]:
             "changes": [],
             "inputs": [v.name if v is not None else "" for v in n.inputs],
             "outputs": [v.name or "" for v in n.outputs],
+            "scope": node_scope(n),
         }
         for i, n in enumerate(m.nodes(side))
     ]
