@@ -205,7 +205,10 @@ def test_minilm_groups_follow_the_layers(minilm_pair):
     for side in "ab":
         tree = vm["trees"][side]
         assert all(k in tree for k in layers), side
-        assert sum(tree[k]["count"] for k in layers) > 0.6 * len(r.graphs[side])
+        # the rest: shared helpers at encoder level (B: remove-padding's packing index, used by every layer)
+        shared = tree.get("inner.encoder#remove-padding", {}).get("count", 0)
+        assert sum(tree[k]["count"] for k in layers) + shared > 0.8 * len(r.graphs[side])
+        assert sum(tree[k]["count"] for k in layers) > 0.4 * len(r.graphs[side])
         assert all(tree[k]["removed" if side == "a" else "added"] > 0 for k in layers)  # every layer changed
     assert vm["expanded"] == ["inner", "inner.encoder"]
 

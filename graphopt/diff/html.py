@@ -146,19 +146,19 @@ def _visible(groups: dict[str, dict], expanded: set[str], key: str = "") -> int:
 
 
 def _initial_expanded(trees: dict[str, dict[str, dict]]) -> list[str]:
-    """Containers opened at load: the chain of lone containers from the top (``model``, then
-    ``encoder``), while each side stays small. Repeated blocks (the layers) stay closed."""
+    """Containers opened at load: on each side the chain of lone containers from the top (``model``,
+    then ``encoder``), while both sides stay small. Repeated blocks (the layers) stay closed."""
     expanded: set[str] = set()
-    level = [""]
-    while True:
-        nxt = sorted({k for t in trees.values() for p in level if p in t for k in t[p]["groups"]
-                      if any(k in t2 and t2[k]["groups"] for t2 in trees.values())})
-        if len(nxt) != 1:
-            break
-        trial = expanded | set(nxt)
-        if any(_visible(t, trial) > INITIAL_BOXES for t in trees.values()):
-            break
-        expanded, level = trial, nxt
+    for t in trees.values():
+        level = ""
+        while True:
+            kids = [k for k in t[level]["groups"] if t[k]["groups"]]
+            if len(kids) != 1:
+                break
+            trial = expanded | {kids[0]}
+            if any(_visible(t2, trial & set(t2)) > INITIAL_BOXES for t2 in trees.values()):
+                break
+            expanded, level = trial, kids[0]
     return sorted(expanded)
 
 
