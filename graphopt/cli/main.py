@@ -52,6 +52,22 @@ def _print_error(e: GraphoptError) -> None:
         err.print(f"[dim]hint: {e.hint}[/]", markup=True)
 
 
+def _click_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Click's usage-error and exit classes: typer >= 0.24 vendors click as ``typer._click``."""
+    import importlib
+
+    exc, ext = [], []
+    for mod in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        exc.append(m.ClickException)
+        if hasattr(m, "Exit"):
+            ext.append(m.Exit)
+    return tuple(exc), tuple(ext)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -72,12 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         print("aborted", file=sys.stderr)
         code = EXIT_ERROR
     except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+        click_exc, click_exit = _click_classes()
+        if isinstance(e, click_exc):
             e.show()
             code = e.exit_code
-        elif isinstance(e, click.exceptions.Exit):
+        elif isinstance(e, click_exit):
             code = e.exit_code
         else:
             if debug:
