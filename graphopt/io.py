@@ -82,6 +82,11 @@ def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
         info = {e.key: e.value for e in t.external_data}
         loc = info.get("location", "")
         f = path.parent / loc
+        if loc and (Path(loc).is_absolute() or not _inside(f, path.parent)):
+            raise ModelLoadError(
+                f"{path}: external data location {loc!r} of tensor {t.name!r} lies outside the model's folder",
+                hint="external data files must lie in the model's folder or below it",
+            )
         if not loc or not f.is_file():
             raise ModelLoadError(
                 f"{path}: external data file {loc!r} of tensor {t.name!r} not found",
@@ -93,6 +98,25 @@ def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
                 f"{path}: external data file {loc!r} is too short for tensor {t.name!r} "
                 f"({f.stat().st_size} bytes, needs {need})"
             )
+
+
+def _inside(f: Path, folder: Path) -> bool:
+    try:
+        f.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _serialize(model: ir.Model) -> onnx.ModelProto:
+    """``ir.serde.serialize_model``, its failures (a hostile model's broken fields) as one error line."""
+    try:
+        return ir.serde.serialize_model(model)
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise ModelSaveError(f"cannot serialize the model: {type(cause).__name__}: {str(cause)[:200]}") from e
 
 
 def tensor_bytes(model: ir.Model) -> int:
@@ -173,7 +197,7 @@ def save(
 
 
 def _save_inline(model: ir.Model, path: Path) -> None:
-    proto = ir.serde.serialize_model(model)
+    proto = _serialize(model)
     if proto.ByteSize() >= PROTO_LIMIT:
         raise ModelSaveError(f"{path.name}: model over 2 GB; save it with external data")
     with open(path, "wb") as f:
@@ -187,7 +211,7 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     """
     if any(isinstance(v.const_value, ir.ExternalTensor) for g in model.graphs() for v in g.initializers.values()):
         model = ir.external_data.load_to_model(model.clone())
-    return ir.serde.serialize_model(model)
+    return _serialize(model)
 
 
 @contextlib.contextmanager
