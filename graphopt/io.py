@@ -52,6 +52,7 @@ def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
         ) from None
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph)", hint="expected an ONNX protobuf (.onnx)")
+    _check_tensor_types(proto, path)
     if check_external:
         _check_external_files(proto, path)
     try:
@@ -73,6 +74,16 @@ def _iter_tensor_protos(graph: onnx.GraphProto):
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     yield from _iter_tensor_protos(g)
+
+
+_DATA_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
+
+
+def _check_tensor_types(proto: onnx.ModelProto, path: Path) -> None:
+    for t in _iter_tensor_protos(proto.graph):
+        if t.data_type not in _DATA_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} has no valid data type ({t.data_type})",
+                                 hint="the file may be corrupt")
 
 
 def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:

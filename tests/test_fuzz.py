@@ -274,12 +274,21 @@ def _hostile(kind: str) -> onnx.ModelProto:
             e.key, e.value = k, v
     elif kind == "wrong_dtype":
         g.input[0].type.tensor_type.elem_type = TensorProto.STRING
+    elif kind == "undefined_init_dtype":
+        g.initializer[0].data_type = TensorProto.UNDEFINED
     return m
 
 
-@pytest.mark.parametrize("kind", ["cycle", "huge_dims", "traversal", "wrong_dtype"])
+def _hostile_bytes(kind: str) -> bytes:
+    if kind == "bad_utf8":  # a string field that is not UTF-8: protobuf parses it, serializing fails
+        return BASES["mlp"].SerializeToString().replace(b"graphopt-tests", b"graph\xa8pt-tests")
+    return _hostile(kind).SerializeToString()
+
+
+@pytest.mark.parametrize("kind", ["cycle", "huge_dims", "traversal", "wrong_dtype", "undefined_init_dtype",
+                                  "bad_utf8"])
 def test_hostile_models_fail_cleanly(run_cli, kind):
-    code = _run_and_check(run_cli, _hostile(kind).SerializeToString())
+    code = _run_and_check(run_cli, _hostile_bytes(kind))
     assert code != 0
 
 
