@@ -193,6 +193,50 @@ def _build_mlp(path: Path) -> None:
                                                                    random_state=0)), path)
 
 
+def _build_knn(path: Path) -> None:
+    from sklearn.neighbors import KNeighborsClassifier
+
+    _fit_and_convert(KNeighborsClassifier(n_neighbors=5), path)
+
+
+def _build_torch_loop(path: Path) -> None:
+    """A recurrent cell over a dynamic number of steps, scripted and exported with the TorchScript
+    exporter: the time loop becomes an ONNX ``Loop`` whose trip count comes from the input shape."""
+    import warnings
+
+    import torch
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.jit.script(_loop_cell_class()())
+        torch.onnx.export(model, (torch.randn(2, 5, 8),), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], output_names=["h"], dynamic_axes={"x": {0: "batch", 1: "time"}})
+
+
+def _loop_cell_class():
+    """The module class, defined on call so that importing this file does not import torch."""
+    import torch
+
+    class LoopCell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+            self.inp = torch.nn.Linear(8, 16)
+
+        def forward(self, x):
+            h = torch.zeros(x.shape[0], 16)
+            for t in range(x.shape[1]):
+                h = torch.tanh(self.lin(h) + self.inp(x[:, t]))
+            return h
+
+    return LoopCell
+
+
+def _sequence(rng):
+    return [{"x": rng.standard_normal((2, 12, 8)).astype(np.float32)} for _ in range(2)]
+
+
 ZIPMAP = ("onnx-ir cannot read a graph whose output is a sequence of maps (ZipMap): "
           "'Map types are not supported yet'")
 
@@ -242,6 +286,12 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("sk-mlp", "skl2onnx", "", "tabular", "Apache-2.0 (converter)",
           "scikit-learn StandardScaler + MLPClassifier(32, 16) on iris: MatMul/Add/Relu, ArgMax, label ArrayFeatureExtractor",
           _iris(16), build=_build_mlp),
+    Entry("sk-knn", "skl2onnx", "", "tabular", "Apache-2.0 (converter)",
+          "scikit-learn KNeighborsClassifier(5) on iris: pairwise distances in a Scan, TopK, ArrayFeatureExtractor",
+          _iris(16), build=_build_knn),
+    Entry("torch-loop", "torch", "", "sequence", "BSD-3-Clause (torch)",
+          "a tanh RNN cell scripted over a dynamic number of steps: TorchScript export, ONNX Loop",
+          _sequence, input_shape=("x:2,12,8",), build=_build_torch_loop),
 )
 
 BY_NAME = {e.name: e for e in ENTRIES}
