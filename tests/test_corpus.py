@@ -88,8 +88,26 @@ def test_corpus_is_broad():
     shipped = [e for e in corpus.ENTRIES if e.build is None]
     assert len(shipped) >= 10
     kinds = {e.kind for e in corpus.ENTRIES}
-    assert {"audio", "OCR", "tabular"} <= kinds
+    assert {"audio", "OCR", "tabular", "sequence"} <= kinds
     assert len({e.name for e in corpus.ENTRIES}) == len(corpus.ENTRIES)
+
+
+def test_corpus_covers_control_flow_and_ml_ops():
+    import onnx
+
+    def ops(g):
+        for n in g.node:
+            yield n.domain or "", n.op_type
+            for a in n.attribute:
+                for sub in [a.g] if a.HasField("g") else list(a.graphs):
+                    yield from ops(sub)
+
+    seen = set()
+    for e in corpus.ENTRIES:
+        seen |= set(ops(onnx.load(str(_locate(e)), load_external_data=False).graph))
+    assert {("", "If"), ("", "Loop"), ("", "Scan"), ("", "LSTM"), ("", "Resize")} <= seen
+    assert {op for d, op in seen if d == "ai.onnx.ml"} >= {"TreeEnsembleClassifier", "TreeEnsembleRegressor",
+                                                           "ArrayFeatureExtractor", "ZipMap"}
 
 
 @pytest.mark.parametrize("entry", ALL)
