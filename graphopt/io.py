@@ -55,6 +55,7 @@ def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
     _check_tensor_types(proto, path)
     if check_external:
         _check_external_files(proto, path)
+    _stash_map_types(proto.graph)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:
@@ -74,6 +75,44 @@ def _iter_tensor_protos(graph: onnx.GraphProto):
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     yield from _iter_tensor_protos(g)
+
+
+_TYPE_KEY = "graphopt.type_proto"
+
+
+def _has_map(t: onnx.TypeProto) -> bool:
+    kind = t.WhichOneof("value")
+    if kind == "map_type":
+        return True
+    if kind == "sequence_type":
+        return _has_map(t.sequence_type.elem_type)
+    if kind == "optional_type":
+        return _has_map(t.optional_type.elem_type)
+    return False
+
+
+def _stash_map_types(graph: onnx.GraphProto) -> None:
+    """onnx-ir cannot hold map types (scikit-learn's ZipMap output is a sequence of maps): the type of
+    such a graph input or output is kept in a metadata entry (restored by ``_serialize``)."""
+    for vi in [*graph.input, *graph.output]:
+        if _has_map(vi.type):
+            entry = vi.metadata_props.add()
+            entry.key, entry.value = _TYPE_KEY, vi.type.SerializeToString().hex()
+            vi.ClearField("type")
+    keep = [vi for vi in graph.value_info if not _has_map(vi.type)]
+    if len(keep) != len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(keep)
+
+
+def _restore_map_types(proto: onnx.ModelProto) -> onnx.ModelProto:
+    for vi in [*proto.graph.input, *proto.graph.output]:
+        for i, entry in enumerate(vi.metadata_props):
+            if entry.key == _TYPE_KEY:
+                vi.type.ParseFromString(bytes.fromhex(entry.value))
+                del vi.metadata_props[i]
+                break
+    return proto
 
 
 _DATA_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
@@ -122,7 +161,7 @@ def _inside(f: Path, folder: Path) -> bool:
 def _serialize(model: ir.Model) -> onnx.ModelProto:
     """``ir.serde.serialize_model``, its failures (a hostile model's broken fields) as one error line."""
     try:
-        return ir.serde.serialize_model(model)
+        return _restore_map_types(ir.serde.serialize_model(model))
     except Exception as e:
         cause = e
         while cause.__cause__ is not None:

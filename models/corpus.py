@@ -190,7 +190,7 @@ def _build_mlp(path: Path) -> None:
     from sklearn.preprocessing import StandardScaler
 
     _fit_and_convert(make_pipeline(StandardScaler(), MLPClassifier(hidden_layer_sizes=(32, 16), max_iter=2000,
-                                                                   random_state=0)), path)
+                                                                   random_state=0)), path, zipmap=True)
 
 
 def _build_knn(path: Path) -> None:
@@ -237,9 +237,6 @@ def _sequence(rng):
     return [{"x": rng.standard_normal((2, 12, 8)).astype(np.float32)} for _ in range(2)]
 
 
-ZIPMAP = ("onnx-ir cannot read a graph whose output is a sequence of maps (ZipMap): "
-          "'Map types are not supported yet'")
-
 ENTRIES: tuple[Entry, ...] = (
     Entry("silero-vad", "silero-vad", "silero_vad/data/silero_vad.onnx", "audio", "MIT",
           "Silero VAD v6, spox export: 25 If (sample-rate branches, nested), LSTM, reflect Pad in an STFT",
@@ -276,7 +273,7 @@ ENTRIES: tuple[Entry, ...] = (
           _magika, input_shape=("bytes:1,2048",)),
     Entry("logreg-iris", "onnxruntime", "onnxruntime/datasets/logreg_iris.onnx", "tabular", "MIT",
           "onnxmltools logistic regression: LinearClassifier, Normalizer, ZipMap (ai.onnx.ml)",
-          _iris(3, cols=2, name="float_input"), known_issue=ZIPMAP),
+          _iris(3, cols=2, name="float_input")),
     Entry("sk-forest", "skl2onnx", "", "tabular", "Apache-2.0 (converter)",
           "scikit-learn StandardScaler + RandomForestClassifier(20 trees) on iris: Scaler, TreeEnsembleClassifier",
           _iris(16), build=_build_forest),
@@ -284,7 +281,7 @@ ENTRIES: tuple[Entry, ...] = (
           "scikit-learn MinMaxScaler + GradientBoostingRegressor(30) on iris: TreeEnsembleRegressor",
           _iris(16, cols=3), build=_build_gbr),
     Entry("sk-mlp", "skl2onnx", "", "tabular", "Apache-2.0 (converter)",
-          "scikit-learn StandardScaler + MLPClassifier(32, 16) on iris: MatMul/Add/Relu, ArgMax, label ArrayFeatureExtractor",
+          "scikit-learn StandardScaler + MLPClassifier(32, 16) on iris: MatMul/Add/Relu, label lookup, ZipMap (skl2onnx's default)",
           _iris(16), build=_build_mlp),
     Entry("sk-knn", "skl2onnx", "", "tabular", "Apache-2.0 (converter)",
           "scikit-learn KNeighborsClassifier(5) on iris: pairwise distances in a Scan, TopK, ArrayFeatureExtractor",

@@ -61,8 +61,11 @@ def _assert_close(got, ref, where):
         assert set(g) == set(r), where
         for k in r:
             a, b = g[k], r[k]
-            if isinstance(b, list):  # sequence outputs (e.g. ZipMap's list of dicts)
-                assert len(a) == len(b), f"{where}: {k}"
+            if isinstance(b, list):  # sequence outputs (ZipMap: one {label: probability} dict per row)
+                assert isinstance(a, list) and len(a) == len(b), f"{where}: {k}"
+                for da, db in zip(a, b):
+                    assert isinstance(da, dict) and da.keys() == db.keys(), f"{where}: {k}"
+                    np.testing.assert_allclose([da[x] for x in db], [db[x] for x in db], rtol=1e-3, atol=1e-6)
                 continue
             a, b = np.asarray(a), np.asarray(b)
             assert a.shape == b.shape and a.dtype == b.dtype, f"{where}: {k} {a.shape}{a.dtype} vs {b.shape}{b.dtype}"
