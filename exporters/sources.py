@@ -20,13 +20,12 @@ import importlib.util
 import inspect
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from graphopt.errors import ExportError, UsageError
+from graphopt.errors import ExportError, UsageError, first_line
 from graphopt.exporters.tasks import TaskSpec, check_supported, make_wrapper
 
 logger = logging.getLogger(__name__)
@@ -266,9 +265,10 @@ def _load_callable(src: str):
             path = Path(mod_name)
             if not path.is_file():
                 raise UsageError(f"{src}: no such file {path}", hint="SRC is a model folder or module:function")
+            # a private module object, not entered in sys.modules (that would shadow or be shadowed
+            # by any other module of the same name in this process)
             sp = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(sp)
-            sys.modules.setdefault(path.stem, module)
             sp.loader.exec_module(module)
         else:
             module = importlib.import_module(mod_name)
@@ -375,8 +375,8 @@ def _output_layout(out, spec: TaskSpec):
 
 
 def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
+    s = str(e)
     if "## Exception summary" in s:  # torch.onnx's long report: keep the cause
-        tail = s.split("## Exception summary", 1)[1].strip()
-        s = tail.replace("\x1b[96m", "").replace("\x1b[0m", "")
-    return s.splitlines()[0][:300] if s else type(e).__name__
+        tail = s.split("## Exception summary", 1)[1].replace("\x1b[96m", "").replace("\x1b[0m", "")
+        return first_line(tail, 300) or type(e).__name__
+    return first_line(e, 300)

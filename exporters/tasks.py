@@ -23,11 +23,8 @@ causal-lm-with-past        + past_key_values.N.key/value                  + pres
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from graphopt.errors import UsageError
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphopt.errors import UsageError
+from graphopt.errors import UsageError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ def load_tokenizer(folder: str | os.PathLike):
         transformers.utils.logging.set_verbosity_error()
         return transformers.AutoTokenizer.from_pretrained(p)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{p}: no usable tokenizer: {msg}", hint="the folder needs tokenizer.json or vocab.txt") from e
+        raise UsageError(f"{p}: no usable tokenizer: {first_line(e, 200)}", hint="the folder needs tokenizer.json or vocab.txt") from e
 
 
 def read_lines(path: str | os.PathLike) -> list[str]:

@@ -12,6 +12,22 @@ EXIT_USAGE = 2
 EXIT_VERIFY = 3
 
 
+def first_line(exc: BaseException | str, limit: int | None = None, *, default: str | None = None) -> str:
+    """The first line of an exception's message (or of a string), cut to ``limit`` characters.
+
+    An empty message gives ``default``, else the exception's type name (``""`` for a string), so a
+    message built in an ``except`` block never raises itself.
+    """
+    text = str(exc).strip()
+    if text:
+        line = text.splitlines()[0].rstrip()
+    elif default is not None:
+        line = default
+    else:
+        line = type(exc).__name__ if isinstance(exc, BaseException) else ""
+    return line[:limit] if limit is not None else line
+
+
 class GraphoptError(Exception):
     """Base of every error graphopt raises on purpose."""
 

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.opsets import MS_DOMAIN, node_domain
 from graphopt.report import op_key
 
 logger = logging.getLogger(__name__)
@@ -20,10 +21,6 @@ logger = logging.getLogger(__name__)
 #: FLOP estimates are made at this batch size and sequence length by default
 FLOP_BATCH = 1
 FLOP_SEQ = 128
-
-
-def _domain(node: ir.Node) -> str:
-    return "" if node.domain in ("", "ai.onnx") else node.domain
 
 
 def _concrete_shapes(model: ir.Model, batch: int, seq: int) -> dict[str, list[int]]:
@@ -146,7 +143,7 @@ def _node_flops(node: ir.Node, shapes, batch: int, seq: int) -> int | None:
         if sw is None or so is None:
             return None
         return 2 * int(np.prod(so)) * int(np.prod(sw[1:]))
-    if op in ("Attention", "MultiHeadAttention") and _domain(node) == "com.microsoft":
+    if op in ("Attention", "MultiHeadAttention") and node_domain(node) == MS_DOMAIN:
         sx = _shape(ins[0], shapes)
         if op == "Attention":
             sw = _shape(ins[1], shapes) if len(ins) > 1 else None

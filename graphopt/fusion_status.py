@@ -32,11 +32,9 @@ fully fused in that kind).
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 
-logger = logging.getLogger(__name__)
+from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN, MS_DOMAIN
 
 _ATTENTION_OPS = {
     "Attention",
@@ -56,7 +54,6 @@ _NORM_OPS = {
     "SkipGroupNorm",
 }
 _GELU_OPS = {"Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
-_PLACEHOLDER = "ai.onnxruntime._fusion"
 _SCORE_OPS = {"Add", "Mul", "Div", "Where", "Cast", "Sub"}
 
 
@@ -108,13 +105,13 @@ def fusion_status(model: ir.Model) -> dict:
 
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         op = node.op_type
-        contrib = node.domain in ("com.microsoft", "")
-        if node.domain == _PLACEHOLDER:
+        contrib = node.domain in (MS_DOMAIN, "")
+        if node.domain == FUSION_PLACEHOLDER_DOMAIN:
             unfused("rotary" if op == "RotaryEmbedding" else "attention", node)
             continue
-        if op == "RotaryEmbedding" and node.domain == "com.microsoft":
+        if op == "RotaryEmbedding" and node.domain == MS_DOMAIN:
             kinds["rotary"]["fused"] += 1
-        elif op in _ATTENTION_OPS and node.domain == "com.microsoft":
+        elif op in _ATTENTION_OPS and node.domain == MS_DOMAIN:
             kinds["attention"]["fused"] += 1
         elif op == "Attention" and node.domain == "":  # ONNX opset 23 Attention
             kinds["attention"]["fused"] += 1
@@ -122,7 +119,7 @@ def fusion_status(model: ir.Model) -> dict:
             unfused("attention", node)
         elif op == "Softmax" and node.domain == "" and _fed_by_matmul(node.inputs[0]):
             unfused("attention", node)
-        elif op in _NORM_OPS and node.domain == "com.microsoft":
+        elif op in _NORM_OPS and node.domain == MS_DOMAIN:
             kinds["layer_norm"]["fused"] += 1
         elif op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization") and node.domain == "":
             src = node.inputs[0].producer() if node.inputs[0] is not None else None
@@ -138,7 +135,7 @@ def fusion_status(model: ir.Model) -> dict:
             unfused("gelu", node)
         else:
             continue
-        if node.domain == "com.microsoft":
+        if node.domain == MS_DOMAIN:
             ops[op] = ops.get(op, 0) + 1
     out: dict = dict(kinds)
     out["ops"] = dict(sorted(ops.items()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -10,8 +9,6 @@ import onnx_ir as ir
 
 from graphopt import io
 from graphopt.report import op_histogram
-
-logger = logging.getLogger(__name__)
 
 
 def _sig(values) -> list[dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from graphopt.errors import ModelLoadError, ModelSaveError
+from graphopt.errors import ModelLoadError, ModelSaveError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
         raise ModelLoadError(
-            f"{path}: not a valid ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse failed'})",
+            f"{path}: not a valid ONNX model ({type(e).__name__}: {first_line(e, default='parse failed')})",
             hint="the file may be truncated or not an ONNX protobuf",
         ) from None
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
@@ -206,6 +207,42 @@ def check_output_path(src: str | os.PathLike | None, dst: str | os.PathLike, *, 
     if dst.is_dir():
         raise ModelSaveError(f"{dst}: is a folder; give a file name ending in .onnx")
     return dst
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` so a reader never sees a half-written file.
+
+    A new file beside the target, created with mode 0o666 so the kernel applies the process umask
+    (as ``open()`` does; the umask is never read or changed), is renamed over ``path``.
+    Raises ModelSaveError naming the path when it cannot be written.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ModelSaveError(f"{p}: is a folder; give a file name")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _create_beside(p)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise ModelSaveError(f"{p}: cannot write: {e.strerror or e}") from None
+    return p
+
+
+def _create_beside(p: Path) -> tuple[int, Path]:
+    """A new, uniquely named hidden file in ``p``'s folder, opened for writing."""
+    for _ in range(100):
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {p}")
 
 
 def save(

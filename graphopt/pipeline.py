@@ -1,9 +1,14 @@
 """The pipeline: run a recipe's passes in order, verify after each, keep the last good model.
 
-For every step: clone the last good model, run the pass on the clone, tag the nodes it created
-(``graphopt.PASS_TAG``), verify (structure always unless ``verify='off'``; numerics against the
-previous model's outputs for lossless passes, against the input model's outputs under the budget for
-lossy ones). A failed pass is rolled back and recorded; the run stops there unless ``keep_going``.
+For every step: clone the last good model, run the pass on the clone with a read-only
+:class:`~graphopt.registry.PassContext`, read what it reports from its
+:class:`~graphopt.registry.PassResult`, tag the nodes it created (``graphopt.PASS_TAG``), verify
+(structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
+passes, against the input model's outputs under the budget for lossy ones).
+
+A failed pass is rolled back and recorded. After a lossless pass the recipe goes on without it (a
+warning; ``strict`` stops the run and fails it instead); after a lossy pass the run stops and fails
+unless ``keep_going``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, parse_budget
 from graphopt.report import PassRecord, Report, count_nodes, op_delta, op_histogram
-from graphopt.runtime import PROVIDERS
+from graphopt.runtime import PROVIDERS, make_session
+from graphopt.runtime import run as run_session
 from graphopt.verify import check_level, check_structure, run_model, verify
 
 logger = logging.getLogger(__name__)
@@ -40,14 +46,6 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.report.ok
-
-
-def _split_feeds(calib: list) -> tuple[list, list]:
-    """Calibration feeds are split: first part for calibration, the rest held back for checks."""
-    if len(calib) < 2:
-        return calib, calib
-    k = max(1, len(calib) // 2)
-    return calib[:k], calib[k:]
 
 
 def _node_ids(model: ir.Model) -> set[int]:
@@ -74,11 +72,13 @@ def optimize(
     overrides: Sequence[str] = (),
     feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
     calib: str | os.PathLike | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    input_values: Mapping[str, np.ndarray] | None = None,
     budget: Budget | str | Sequence[str] | None = None,
     provider: str = "cpu",
     verify_level: str = "numeric",
     keep_going: bool = False,
-    require_budget: bool = False,
+    strict: bool = False,
     debug_dir: str | os.PathLike | None = None,
     explain: bool = False,
     on_step: Callable[[str, int, int], None] | None = None,
@@ -86,10 +86,11 @@ def optimize(
     """Run ``recipe`` (default: the builtin default recipe, or ``passes``) on ``model``.
 
     Returns the last good model and the report; never raises for a pass that fails verification
-    (the report says, and ``Result.ok`` is False). Raises GraphoptError for bad usage or input.
-    A lossy pass is verified against ``budget``, or its own ``default_budget`` when none is given;
-    with ``require_budget`` a lossy pass that could not meet the budget (and so kept the model as
-    it was) also fails the run.
+    (the report says; ``Result.ok`` is False when a lossy pass failed, or any pass under ``strict``).
+    Raises GraphoptError for bad usage or input. A lossy pass is verified against ``budget``, or its
+    own ``default_budget`` when none is given; one that cannot meet it (and so kept the model as it
+    was) fails the run too, unless ``keep_going`` (then the last good model is kept and the report
+    says so).
     """
     t_start = time.perf_counter()
     check_level(verify_level)
@@ -106,8 +107,7 @@ def optimize(
         recipe = recipe_mod.from_pass_list(passes) if passes else recipe_mod.default()
     if overrides:
         recipe.apply_overrides(overrides)
-    recipe.validate()
-    instances = [registry.create(s.pass_name, s.options) for s in recipe.steps]
+    instances = recipe.build()
 
     src = ""
     if not isinstance(model, ir.Model):
@@ -118,17 +118,18 @@ def optimize(
     report.nodes_before = count_nodes(model)
     report.ops_before = dict(op_histogram(model))
 
-    # feeds: calibration folder, given feeds, or generated from the signature
+    # feeds: calibration folder, given feeds, or generated from the signature (confirmed by running
+    # the input model); when no generated feed runs it, numerics go unverified and structure is checked
+    shapes, values = dict(input_shapes or {}), dict(input_values or {})
+    feeds_mod.check_overrides(model, shapes, values)
     if calib is not None:
         all_feeds = feeds_mod.load_dir(calib)
         feeds_mod.check_against(model, all_feeds)
     elif feeds is not None:
         all_feeds = [dict(f) for f in feeds]
     else:
-        all_feeds = feeds_mod.generate(model) if verify_level == "numeric" else []
-    calib_feeds, check_feeds = _split_feeds(list(all_feeds))
-    held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
-    report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
+        all_feeds = None
+    report.numerics = "verified" if verify_level == "numeric" else f"not checked (--verify {verify_level})"
 
     reference = None
     if verify_level != "off":
@@ -138,12 +139,28 @@ def optimize(
             check_structure(proto, where=f"input model {src or ''}".strip(), serialized=data)
             if verify_level == "numeric":
                 try:
-                    reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
+                    if all_feeds is not None:
+                        reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
+                    else:
+                        sess = make_session(data if data is not None else proto, provider="cpu", optimize=False)
+                        all_feeds, reference = feeds_mod.runnable(
+                            model, run=lambda fs: run_session(sess, fs), shapes=shapes, values=values)
+                except feeds_mod.NoRunnableFeeds as e:
+                    logger.warning("numerics unverified: %s; verifying structure only", e.reason)
+                    report.numerics = f"unverified: {e.reason}"
+                    verify_level = report.verify = "structure"
+                    all_feeds = []
                 except RuntimeSetupError as e:
+                    given = " on the given feeds" if all_feeds is not None else ""
                     raise VerificationError(
                         f"cannot verify numerically: {e.message}",
-                        hint="the input model does not run in ONNX Runtime; use --verify structure or off",
+                        hint=f"the input model does not run in ONNX Runtime{given}; use --verify structure or off",
                     ) from None
+    if all_feeds is None:
+        all_feeds = []
+    calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
+    held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
+    report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
 
     good = model
     prev_out = reference
@@ -154,7 +171,7 @@ def optimize(
         rec.nodes_before = count_nodes(good)
         ops_before = op_histogram(good)
         step_budget = budget if (budget or p.exact) else parse_budget(p.default_budget)
-        p.context = registry.PassContext(
+        ctx = registry.PassContext(
             provider=provider,
             feeds=check_feeds,
             calib_feeds=calib_feeds,
@@ -164,20 +181,20 @@ def optimize(
         work = good.clone()
         before_ids = _node_ids(work)
         t0 = time.perf_counter()
+        result: registry.PassResult | None = None
         try:
-            result = p(work)
-            candidate = result.model
+            result = p(work, ctx)
             rec.modified = bool(result.modified)
         except GraphoptError as e:
             rec.status, rec.error = "error", e.message
-            candidate = None
         except Exception as e:  # a bug or an unexpected graph: report it, keep the last good model
             logger.debug("pass %s raised", p.name, exc_info=True)
             rec.status, rec.error = "error", f"{type(e).__name__}: {e}"
-            candidate = None
+        candidate = result.model if result is not None else None
         rec.seconds = time.perf_counter() - t0
-        rec.notes = list(p.context.notes)
-        rec.rule_counts = dict(p.context.rule_counts)
+        if result is not None:
+            rec.notes = list(result.notes)
+            rec.rule_counts = dict(result.rule_counts)
         if candidate is not None and rec.modified:
             if candidate is work:
                 _tag_new_nodes(candidate, before_ids, p.name)
@@ -209,11 +226,9 @@ def optimize(
                     _dump_pair(Path(debug_dir), i, p.name, good, candidate)
         elif candidate is not None:
             rec.verification = {"level": "skipped (unchanged)"}
-        if candidate is not None and not p.exact and p.context.budget_met is False:
-            rec.notes.append(f"budget {step_budget} not met; the model is kept as it was before {p.name!r}")
-            if require_budget:
-                rec.status = "budget-not-met"
-                rec.error = f"budget {step_budget} not met"
+        if result is not None and not p.exact and result.budget_met is False and rec.status == "ok":
+            rec.status = "budget-not-met"
+            rec.error = f"budget {step_budget} not met by any model {p.name!r} could make"
         if not p.exact:
             rec.verification["budget"] = str(step_budget)
         elif debug_dir is not None:
@@ -223,8 +238,13 @@ def optimize(
             rec.op_delta = op_delta(ops_before, op_histogram(good))
         report.passes.append(rec)
         if rec.status != "ok":
+            blocking = strict or not (p.exact or keep_going)
+            if p.exact and not strict:
+                rec.notes.append(f"rolled back: the recipe went on without {p.name!r} (--strict fails the run instead)")
+            elif keep_going and not strict:
+                rec.notes.append(f"--keep-going: the model is kept as it was before {p.name!r}")
             logger.warning("pass %s %s: %s", p.name, rec.status, rec.error)
-            if not keep_going:
+            if blocking:
                 report.ok = False
                 break
 
@@ -234,8 +254,6 @@ def optimize(
         from graphopt.metrics import compare
 
         report.final = compare(prev_out, reference, all_feeds).summary()
-    if report.failed() and not keep_going:
-        report.ok = False
     report.seconds = time.perf_counter() - t_start
     return Result(good, report)
 

@@ -60,19 +60,29 @@ class Recipe:
             for s in steps:
                 s.options[opt.strip()] = value.strip()
 
-    def validate(self) -> None:
-        """Every pass exists, every option is accepted, order needs (``run_after``) hold."""
+    def build(self) -> list[registry.GraphoptPass]:
+        """The passes of the recipe, built once with their options (validated by the passes).
+
+        Every pass exists in the active registry, every option is accepted, order needs
+        (``run_after``) hold; otherwise a UsageError / RecipeError.
+        """
         seen: list[str] = []
+        built = []
         for s in self.steps:
-            cls = registry.get(s.pass_name)
-            registry.create(s.pass_name, s.options)  # checks options
-            for dep in cls.run_after:
+            p = registry.create(s.pass_name, s.options)  # unknown pass / option -> UsageError
+            for dep in p.run_after:
                 if dep in self.pass_names() and dep not in seen:
                     raise RecipeError(
                         f"recipe {self.name!r}: pass {s.pass_name!r} must run after {dep!r}",
                         hint="reorder the steps",
                     )
             seen.append(s.pass_name)
+            built.append(p)
+        return built
+
+    def validate(self) -> None:
+        """Check the recipe (see :meth:`build`) without keeping the passes."""
+        self.build()
 
 
 def from_dict(data: dict, name: str = "recipe") -> Recipe:

@@ -10,10 +10,11 @@ import dataclasses
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
+
+from graphopt.opsets import node_domain
 
 SCHEMA_VERSION = 1
 
@@ -29,7 +30,7 @@ def op_histogram(graph_or_model: ir.Model | ir.Graph, recursive: bool = True) ->
 
 
 def op_key(node: ir.Node) -> str:
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+    return node.op_type if not node_domain(node) else f"{node.domain}::{node.op_type}"
 
 
 def count_nodes(model: ir.Model) -> int:
@@ -70,6 +71,9 @@ class Report:
     verify: str = "numeric"
     provider: str = "cpu"
     feeds: str = ""
+    #: "verified", "unverified: <reason>" (no feed ran the input model: structure checked only),
+    #: or "not checked (--verify LEVEL)"
+    numerics: str = ""
     budget: str = ""
     passes: list[PassRecord] = dataclasses.field(default_factory=list)
     nodes_before: int = 0
@@ -86,17 +90,16 @@ class Report:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["schema_version"] = SCHEMA_VERSION
-        return _finite(d)
+        return json_safe(d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, p)
+        """Write the JSON report to ``path`` atomically (``graphopt.io.write_atomic``)."""
+        from graphopt import io
+
+        io.write_atomic(path, self.to_json())
 
     def render(self, console=None) -> None:
         """Print the per-pass table with rich."""
@@ -132,6 +135,8 @@ class Report:
                 console.print(f"[dim]{p.name} rules: {rc}[/]", highlight=False)
             if p.error:
                 console.print(f"[red]{p.name}: {p.error}[/]", highlight=False)
+        if self.numerics.startswith("unverified"):
+            console.print(f"[yellow]numerics {self.numerics}[/]", highlight=False)
         summary = f"{self.nodes_before} → {self.nodes_after} nodes in {self.seconds:.2f} s"
         if self.final:
             summary += " · vs input: " + _fmt_verif(self.final)
@@ -155,7 +160,9 @@ def _fmt_verif(v: dict) -> str:
     return " ".join(parts)
 
 
-def _finite(obj):
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats as strings ("nan", "inf", "-inf"), numpy scalars as Python
+    numbers, tuples as lists and dict keys as strings, so ``json.dumps`` writes standard JSON."""
     if isinstance(obj, float):
         if math.isnan(obj):
             return "nan"
@@ -163,7 +170,9 @@ def _finite(obj):
             return "inf" if obj > 0 else "-inf"
         return obj
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:  # numpy scalars
+        return json_safe(obj.item())
     return obj

@@ -5,6 +5,7 @@ CUDA is used when asked for and available; otherwise CPU, with the reason logged
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import tempfile
@@ -14,11 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.errors import RuntimeSetupError
+from graphopt.errors import RuntimeSetupError, first_line
 
 logger = logging.getLogger(__name__)
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+class Provider(enum.StrEnum):
+    """The execution providers graphopt targets; members equal their strings (``Provider.CUDA == "cuda"``)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+#: provider -> ONNX Runtime execution provider name (keys equal the plain strings "cpu", "cuda")
+PROVIDERS = {Provider.CPU: "CPUExecutionProvider", Provider.CUDA: "CUDAExecutionProvider"}
 
 
 def cuda_available() -> tuple[bool, str]:
@@ -98,7 +107,7 @@ def make_session(
             src, tmp = _model_bytes_or_file(model)
         sess = ort.InferenceSession(src, sess_options=so, providers=providers)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         from graphopt.standins import STAND_INS  # the CUDA-only ops graphopt emits
 
         hint = None

@@ -31,9 +31,11 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.contrib import attention_inputs
+from graphopt.opsets import MS_DOMAIN
+
 logger = logging.getLogger(__name__)
 
-_MS = "com.microsoft"
 
 #: where the CUDA kernels are checked on a GPU (named in reports)
 GPU_CHECK = "tools/cuda_checks.py"
@@ -70,8 +72,9 @@ def _count_false(tape: ir.tape.Tape, cond: ir.Value) -> ir.Value:
 
 def _packed_mha(t: ir.tape.Tape, node: ir.Node) -> ir.Value:
     """Standard-op reference of com.microsoft PackedMultiHeadAttention (see the module docstring)."""
-    ins = list(node.inputs) + [None] * 7
-    query, key, value, bias, offset, cu, attn_bias = ins[:7]
+    a = attention_inputs(node)
+    query, key, value, bias = a.query, a.key, a.value, a.bias
+    offset, cu, attn_bias = a.token_offset, a.cumulative_sequence_length, a.attention_bias
     if query is None or offset is None or cu is None:
         raise ValueError(f"PackedMultiHeadAttention {node.name!r} lacks query, token_offset or cumulative_sequence_length")
     heads = node.attributes.get("num_heads")
@@ -177,7 +180,7 @@ def _packed_mha(t: ir.tape.Tape, node: ir.Node) -> ir.Value:
 
 
 #: (domain, op_type) -> stand-in builder; ops with no CPU kernel in ONNX Runtime
-STAND_INS = {(_MS, "PackedMultiHeadAttention"): _packed_mha}
+STAND_INS = {(MS_DOMAIN, "PackedMultiHeadAttention"): _packed_mha}
 
 
 def cuda_only_ops(model: ir.Model) -> list[str]:

@@ -13,7 +13,6 @@ names the ops so replaced (``Verdict.stand_ins``). The CUDA kernels themselves a
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -22,10 +21,8 @@ import onnx
 import onnx_ir as ir
 
 from graphopt import io, runtime, standins
-from graphopt.errors import RuntimeSetupError, UsageError, VerificationError
-from graphopt.metrics import Budget, Comparison, compare
-
-logger = logging.getLogger(__name__)
+from graphopt.errors import RuntimeSetupError, UsageError, VerificationError, first_line
+from graphopt.metrics import Budget, Comparison, compare, parse_budget
 
 LEVELS = ("off", "structure", "numeric")
 
@@ -55,8 +52,7 @@ def check_structure(model: ir.Model | onnx.ModelProto | str, where: str = "model
     try:
         onnx.checker.check_model(target, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise VerificationError(f"{where}: ONNX checker failed: {first}") from None
+        raise VerificationError(f"{where}: ONNX checker failed: {first_line(e)}") from None
 
 
 def _check_domains(proto: onnx.ModelProto, where: str) -> None:
@@ -127,8 +123,7 @@ def run_model(
     try:
         return runtime.run(sess, feeds)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeSetupError(f"ONNX Runtime failed running the model: {msg}") from e
+        raise RuntimeSetupError(f"ONNX Runtime failed running the model: {first_line(e)}") from e
 
 
 def verify(
@@ -209,3 +204,75 @@ def _describe_mismatch(cmp: Comparison, atol: float, rtol: float) -> str:
                 f"{100 * d.mismatch:.2f}% of elements off, cosine min {d.cosine_min:.6f}"
             )
     return "; ".join(parts)
+
+
+@dataclasses.dataclass
+class ModelComparison:
+    """Outputs of a candidate model against a reference model's on the same feeds."""
+
+    comparison: Comparison
+    feeds: list[dict[str, np.ndarray]]
+    budget: Budget
+    #: why the candidate fails (budget terms, tolerance, outputs missing from it); empty when it passes
+    failures: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def as_dict(self) -> dict:
+        from graphopt import feeds as feeds_mod
+
+        return {"ok": self.ok, "failures": self.failures, "budget": str(self.budget),
+                "feeds": feeds_mod.describe(self.feeds), **self.comparison.as_dict()}
+
+
+def compare_models(
+    reference: ir.Model | str | Path,
+    candidate: ir.Model | str | Path,
+    *,
+    feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
+    calib: str | Path | None = None,
+    budget: Budget | str | Sequence[str] | None = None,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    provider: str = "cpu",
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    values: Mapping[str, np.ndarray] | None = None,
+) -> ModelComparison:
+    """Run ``reference`` and ``candidate`` (models or paths) on the same feeds and compare their
+    outputs mask-aware (``graphopt verify A B``).
+
+    Feeds: ``feeds``, else the ``calib`` folder (checked against the reference's inputs), else
+    generated to make the reference run (``shapes`` / ``values`` fix inputs; see
+    ``graphopt.feeds.runnable``). With a non-empty ``budget`` the budget decides;
+    otherwise every element must be within ``atol + rtol*|ref|``. Outputs of the reference that the
+    candidate lacks are failures. Raises GraphoptError for unreadable models, bad feeds or budgets.
+    """
+    from graphopt import feeds as feeds_mod
+
+    if not isinstance(budget, Budget):
+        budget = parse_budget(budget)
+    a = reference if isinstance(reference, ir.Model) else io.load(reference)
+    b = candidate if isinstance(candidate, ir.Model) else io.load(candidate)
+    out_a = None
+    if feeds is not None:
+        feeds = [dict(f) for f in feeds]
+    elif calib is not None:
+        feeds = feeds_mod.for_model(a, calib)
+    else:  # generated feeds that make A run (A's outputs on them come along, on CPU)
+        feeds, out_a = feeds_mod.runnable(a, shapes=shapes, values=values)
+    if out_a is None or provider != "cpu":
+        out_a = run_model(a, feeds, provider=provider)
+    out_b = run_model(b, feeds, provider=provider)
+    names_a = list(out_a[0]) if out_a else []
+    shared = [n for n in names_a if n in out_b[0]]
+    cmp = compare(out_b, out_a, feeds, atol=atol, rtol=rtol, outputs=shared)
+    if budget:
+        failures = budget.failures(cmp)
+    else:
+        failures = [] if cmp.within(atol, rtol) else [f"outputs differ beyond atol {atol:g} + rtol {rtol:g}*|ref|"]
+    missing = [n for n in names_a if n not in shared]
+    if missing:
+        failures.append("outputs missing from B: " + ", ".join(missing))
+    return ModelComparison(cmp, feeds, budget, failures)

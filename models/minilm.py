@@ -31,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _build  # noqa: E402
 
-logger = logging.getLogger(__name__)
-
 EXPORTERS = ("dynamo", "torchscript")
 ATTNS = ("eager", "sdpa")
 VARIANTS = [(e, a) for e in EXPORTERS for a in ATTNS]

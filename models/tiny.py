@@ -31,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _build  # noqa: E402
 
-logger = logging.getLogger(__name__)
-
 SEED = 0
 VOCAB = 1000
 

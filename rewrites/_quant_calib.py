@@ -16,7 +16,6 @@ Calibrators turn the statistics into a (min, max) range:
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -24,8 +23,6 @@ import onnx_ir as ir
 
 from graphopt import runtime, standins
 from graphopt.metrics import find_mask
-
-logger = logging.getLogger(__name__)
 
 BINS = 2048
 

@@ -27,17 +27,13 @@ QAttention's default and are dropped), QDQ below opset 13.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.opsets import default_opset
-
-logger = logging.getLogger(__name__)
-
-MS = "com.microsoft"
+from graphopt.contrib import attention_inputs
+from graphopt.opsets import MS_DOMAIN, default_opset
 
 
 @dataclasses.dataclass
@@ -72,7 +68,6 @@ class QConfig:
     act_type: str = "u8"  # "u8" | "s8"
     fmt: str = "qop"  # "qop" | "qdq"
     smooth: np.ndarray | None = None  # SmoothQuant: W rows *= smooth (x /= smooth is done upstream)
-    act_div: np.ndarray | None = None  # static: x /= act_div inside a per-channel QuantizeLinear
     block_size: int = 32
     accuracy_level: int = 4
     int4_q: tuple[np.ndarray, np.ndarray] | None = None  # GPTQ result: (q uint8 [K,N] in 0..15, scales [nb,N])
@@ -130,16 +125,16 @@ def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
                     if b is not None and b.dtype == np.float32 and b.shape == (warr.shape[1],):
                         bias_add = user
             out.append(Target(_key(node), "matmul", node, x, w, bias_add))
-        elif node.op_type == "Attention" and node.domain == MS:
-            w = node.inputs[1] if len(node.inputs) > 1 else None
-            warr = _const(w)
+        elif node.op_type == "Attention" and node.domain == MS_DOMAIN:
+            a = attention_inputs(node)
+            warr = _const(a.weights)
             if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
                 continue
-            if any(v is not None for v in node.inputs[4:]) or not _plain_qkv(node, warr):
+            if a.past_state or a.attention_bias is not None or not _plain_qkv(node, warr):
                 continue
             if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
                 continue
-            out.append(Target(_key(node), "attention", node, node.inputs[0], w))
+            out.append(Target(_key(node), "attention", node, a.input, a.weights))
         elif embeddings and node.op_type == "Gather" and node.domain == "":
             warr = _const(node.inputs[0])
             if warr is None or warr.ndim != 2 or warr.dtype != np.float32 or warr.shape[0] < 2:
@@ -147,7 +142,7 @@ def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
             if node.attributes.get_int("axis", 0) != 0:
                 continue
             out.append(Target(_key(node), "gather", node, None, node.inputs[0]))
-        elif embeddings and node.op_type == "EmbedLayerNormalization" and node.domain == MS:
+        elif embeddings and node.op_type == "EmbedLayerNormalization" and node.domain == MS_DOMAIN:
             warr = _const(node.inputs[2]) if len(node.inputs) > 2 else None
             if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
                 continue
@@ -259,17 +254,11 @@ def _quantize_activation(b: _Builder, t: Target, cfg: QConfig, anchor: ir.Node) 
         return tuple(n.outputs)
     lo, hi = cfg.act_range
     s, zp = act_qparams(lo, hi, cfg.act_type)
-    div = None if cfg.act_div is None else cfg.act_div.astype(np.float32)
-    key = ("st", id(x), float(s), int(zp), cfg.act_type, None if div is None else div.tobytes())
+    key = ("st", id(x), float(s), int(zp), cfg.act_type)
     if key not in b.shared_q:
         sv = b.init(f"{x.name}_scale", np.array(s, dtype=np.float32))
         zv = b.init(f"{x.name}_zp", zp)
-        if div is None:
-            n = b.node(anchor, "QuantizeLinear", [x, sv, zv], name=f"{x.name}_q")
-        else:  # quantizing x / div with scale s == per-channel scale s * div (SmoothQuant without a Mul)
-            sv_c = b.init(f"{x.name}_scale_c", (s * div).astype(np.float32))
-            zv_c = b.init(f"{x.name}_zp_c", np.full(div.shape, zp, dtype=zp.dtype))
-            n = b.node(anchor, "QuantizeLinear", [x, sv_c, zv_c], {"axis": -1}, name=f"{x.name}_q")
+        n = b.node(anchor, "QuantizeLinear", [x, sv, zv], name=f"{x.name}_q")
         b.shared_q[key] = (n.outputs[0], sv, zv)
     return b.shared_q[key]
 
@@ -339,10 +328,11 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
             zv = b.init(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8))
-            bias_v = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] is not None else \
+            named = attention_inputs(node)
+            bias_v = named.bias if named.bias is not None else \
                 b.init(f"{pre}_bias", np.zeros(w.shape[1], np.float32))  # QAttention's bias is required
-            inputs = [xq, qv, bias_v, xs, sv, node.inputs[3] if len(node.inputs) > 3 else None, xz, zv]
-            new = b.node(node, "QAttention", inputs, attrs, domain=MS, name=f"{pre}_qattn")
+            inputs = [xq, qv, bias_v, xs, sv, named.mask_index, xz, zv]
+            new = b.node(node, "QAttention", inputs, attrs, domain=MS_DOMAIN, name=f"{pre}_qattn")
             _replace_output(g, node.outputs[0], new.outputs[0])
             g.remove(node, safe=True)
             used_ms = True
@@ -353,7 +343,7 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
             bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
-            new = b.node(node, "DynamicQuantizeMatMul", [node.inputs[0], qv, sv, None, bv], domain=MS,
+            new = b.node(node, "DynamicQuantizeMatMul", [node.inputs[0], qv, sv, None, bv], domain=MS_DOMAIN,
                          name=f"{pre}_dqmm")
             used_ms = True
             bump("DynamicQuantizeMatMul")
@@ -374,14 +364,14 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
             bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
-            new = b.node(node, "MatMulIntegerToFloat", [xq, qv, xs, sv, xz, None, bv], domain=MS,
+            new = b.node(node, "MatMulIntegerToFloat", [xq, qv, xs, sv, xz, None, bv], domain=MS_DOMAIN,
                          name=f"{pre}_mmi2f")
             used_ms = True
             bump("MatMulIntegerToFloat")
         _replace_output(g, out_node.outputs[0], new.outputs[0])
         g.remove([n for n in (t.bias_add, node) if n is not None], safe=True)
-    if used_ms and MS not in model.opset_imports:
-        model.opset_imports[MS] = 1
+    if used_ms and MS_DOMAIN not in model.opset_imports:
+        model.opset_imports[MS_DOMAIN] = 1
     # drop float weights nobody reads any more
     for name, v in list(g.initializers.items()):
         if not v.uses() and not v.is_graph_output() and not v.is_graph_input():
@@ -426,11 +416,11 @@ def _unfuse_embed(b: _Builder, node: ir.Node, qv: ir.Value, sv: ir.Value, pre: s
     inputs = [add.outputs[0], seg_rows.outputs[0], gamma]
     if beta is not None:
         inputs.append(beta)
-    ln = b.node(node, "SkipLayerNormalization", inputs, {"epsilon": eps}, domain=MS, name=f"{pre}_ln")
+    ln = b.node(node, "SkipLayerNormalization", inputs, {"epsilon": eps}, domain=MS_DOMAIN, name=f"{pre}_ln")
     _replace_output(g, node.outputs[0], ln.outputs[0])
     g.remove(node, safe=True)
-    if MS not in b.model.opset_imports:
-        b.model.opset_imports[MS] = 1
+    if MS_DOMAIN not in b.model.opset_imports:
+        b.model.opset_imports[MS_DOMAIN] = 1
     return True
 
 
@@ -447,4 +437,4 @@ def _int4_node(b: _Builder, t: Target, cfg: QConfig, w: np.ndarray, bias: np.nda
         inputs.append(b.init(f"{pre}_bias", bias.astype(np.float32)))
     attrs = {"K": int(k), "N": int(n), "bits": 4, "block_size": int(cfg.block_size),
              "accuracy_level": int(cfg.accuracy_level)}
-    return b.node(t.node, "MatMulNBits", inputs, attrs, domain=MS, name=f"{pre}_mmnbits")
+    return b.node(t.node, "MatMulNBits", inputs, attrs, domain=MS_DOMAIN, name=f"{pre}_mmnbits")

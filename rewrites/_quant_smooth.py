@@ -19,16 +19,15 @@ error on the sampled calibration rows.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.contrib import attention_inputs
+from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites._quant_calib import Stats
-from graphopt.rewrites._quant_qdq import MS, Target, fake_quant_act, quantize_weight
-
-logger = logging.getLogger(__name__)
+from graphopt.rewrites._quant_qdq import Target, fake_quant_act, quantize_weight
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85)
 
@@ -76,17 +75,13 @@ def _only_read_by(v: ir.Value, nodes: set[int]) -> bool:
     return not v.is_graph_output() and all(id(u[0]) in nodes for u in v.uses())
 
 
-def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str, np.ndarray],
-                    no_mul: frozenset[str] = frozenset(), folded: set[str] | None = None) -> dict[str, int]:
+def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Divide each smoothed activation by its factors (fold or Mul); updates ``Target.act``.
 
     ``factors`` maps activation value name -> s. Weight scaling happens in ``_quant_qdq.apply``
-    (QConfig.smooth). Activations in ``no_mul`` that cannot be folded are left alone (the caller
-    divides them inside a per-channel QuantizeLinear instead). Returns the counts; the names of
-    folded activations are added to ``folded`` when given.
+    (QConfig.smooth). Returns the counts of each way used.
     """
     g = model.graph
-    folded = set() if folded is None else folded
     counts = {"smooth-fold-layernorm": 0, "smooth-fold-attention-v": 0, "smooth-mul": 0}
     groups: dict[str, list[Target]] = {}
     for t in targets:
@@ -99,7 +94,7 @@ def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str
         prod = x.producer()
         done = False
         if prod is not None and _only_read_by(x, readers) and x.index() == 0:
-            if prod.op_type in ("LayerNormalization", "SkipLayerNormalization") and prod.domain in ("", MS):
+            if prod.op_type in ("LayerNormalization", "SkipLayerNormalization") and prod.domain in ("", MS_DOMAIN):
                 gi, bi = (1, 2) if prod.op_type == "LayerNormalization" else (2, 3)
                 gamma = prod.inputs[gi].const_value.numpy() if prod.inputs[gi] is not None and \
                     prod.inputs[gi].const_value is not None else None
@@ -112,8 +107,9 @@ def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str
                         beta_v.const_value = ir.tensor(beta / s, name=beta_v.name)
                     done = True
                     counts["smooth-fold-layernorm"] += 1
-            elif prod.op_type == "Attention" and prod.domain == MS:
-                w_v, b_v = prod.inputs[1], prod.inputs[2] if len(prod.inputs) > 2 else None
+            elif prod.op_type == "Attention" and prod.domain == MS_DOMAIN:
+                a = attention_inputs(prod)
+                w_v, b_v = a.weights, a.bias
                 if w_v is not None and w_v.const_value is not None and len(w_v.uses()) == 1 and \
                         b_v is not None and b_v.const_value is not None and len(b_v.uses()) == 1:
                     w, b = w_v.const_value.numpy().copy(), b_v.const_value.numpy().copy()
@@ -125,11 +121,7 @@ def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str
                         b_v.const_value = ir.tensor(b, name=b_v.name)
                         done = True
                         counts["smooth-fold-attention-v"] += 1
-        if done:
-            folded.add(name)
-        elif name in no_mul:
-            counts["smooth-in-quantizelinear"] = counts.get("smooth-in-quantizelinear", 0) + 1
-        else:
+        if not done:
             inv_name = f"{name}_smooth_inv"
             t = ir.tensor((1.0 / s).astype(np.float32), name=inv_name)
             inv = ir.Value(name=inv_name, shape=ir.Shape(s.shape), type=ir.TensorType(t.dtype), const_value=t)

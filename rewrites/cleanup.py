@@ -17,19 +17,20 @@ Subgraphs (If/Loop/Scan bodies) are cleaned recursively.
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-from onnxscript.optimizer import _constant_folding
-from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewritePass
+from onnxscript.rewriter import RewritePass
 
 from graphopt.errors import VerificationError
+from graphopt.onnxscript_compat import (
+    DEFAULT_REWRITE_RULES,
+    FOLD_INPUT_SIZE_LIMIT,
+    FOLD_OUTPUT_SIZE_LIMIT,
+    FoldConstantsPass,
+)
 from graphopt.opsets import default_opset
-from graphopt.registry import GraphoptPass, register
+from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.verify import check_structure
-
-logger = logging.getLogger(__name__)
 
 CUSTOM_DOMAIN = "ai.graphopt"
 #: onnxscript's rewrite rules are written for opset 18+; below it only folding and DCE run
@@ -85,8 +86,8 @@ class Cleanup(GraphoptPass):
         rewrite_rules: bool = True,
         cse: bool = True,
         inline: bool = False,
-        fold_input_size_limit: int = _constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-        fold_output_size_limit: int = _constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+        fold_input_size_limit: int = FOLD_INPUT_SIZE_LIMIT,
+        fold_output_size_limit: int = FOLD_OUTPUT_SIZE_LIMIT,
         iterations: int = 2,
     ):
         super().__init__()
@@ -98,10 +99,10 @@ class Cleanup(GraphoptPass):
         self.fold_output_size_limit = fold_output_size_limit
         self.iterations = iterations
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         opset = default_opset(model)
         if opset >= MIN_RULES_OPSET or not self.fold_constants:
-            return self._run(model, self.fold_constants)
+            return PassResult(model, self._run(model, self.fold_constants))
         # Below opset 18 onnxscript's folder can emit current-opset forms (e.g. Unsqueeze with an
         # axes input at opset 11): try on a copy, keep it only if it is still a valid model.
         # (The trial runs twice on success; models this old are small.)
@@ -110,15 +111,16 @@ class Cleanup(GraphoptPass):
         try:
             check_structure(trial, where="cleanup trial")
         except VerificationError as e:
-            self.context.notes.append(f"constant folding skipped at opset {opset}: {e.message}")
-            return self._run(model, False)
-        return self._run(model, True)
+            return PassResult(model, self._run(model, False),
+                              notes=[f"constant folding skipped at opset {opset}: {e.message}"])
+        return PassResult(model, self._run(model, True))
 
-    def _run(self, model: ir.Model, fold: bool) -> ir.passes.PassResult:
+    def _run(self, model: ir.Model, fold: bool) -> bool:
+        """Run the cleanup passes on ``model`` in place; whether anything changed."""
         loop: list[ir.passes.PassBase] = []
         if fold:
             loop.append(
-                _constant_folding.FoldConstantsPass(
+                FoldConstantsPass(
                     shape_inference=True,
                     input_size_limit=self.fold_input_size_limit,
                     output_size_limit=self.fold_output_size_limit,
@@ -127,7 +129,7 @@ class Cleanup(GraphoptPass):
         opset = default_opset(model)
         if self.rewrite_rules and opset >= MIN_RULES_OPSET:
             # onnxscript's rules emit current-opset forms (e.g. Unsqueeze with an axes input)
-            loop.append(RewritePass(_DEFAULT_REWRITE_RULES))
+            loop.append(RewritePass(DEFAULT_REWRITE_RULES))
         loop += [
             _SafeIdentityElimination(),
             common.RemoveUnusedNodesPass(),
@@ -152,7 +154,7 @@ class Cleanup(GraphoptPass):
         for p in passes:
             r = p(model)
             modified = modified or r.modified
-        return ir.passes.PassResult(model, modified)
+        return modified
 
 
 register(Cleanup)

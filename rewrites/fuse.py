@@ -37,8 +37,8 @@ from typing import Any
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from graphopt.opsets import default_opset
-from graphopt.registry import GraphoptPass, register
+from graphopt.opsets import MS_DOMAIN, default_opset
+from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def _prepare(model: ir.Model) -> str | None:
     return annotate_symbolic_shapes(model)
 
 
-def _steps(opts: FusePass) -> list[tuple[str, Any]]:
+def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
     """(rule family, onnxscript RewriteRuleSet or callable) in the order they must run."""
     from onnxscript.rewriter.ort_fusions import (
         attention,
@@ -89,14 +89,13 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         gqa,
         gqa_packed_qkv,
         mha_bias,
-        mha_scale,
         rms_normalization,
         rotary_embedding,
         sdpa,
-        sdpa_via_mha,
         skip_normalization,
     )
 
+    from graphopt.onnxscript_compat import mha_scale_rules, sdpa_via_mha_rules
     from graphopt.rewrites import fuse_mha
     from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
     from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
@@ -143,7 +142,7 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         steps += [
             ("mha1", fuse_mha.mha_rules_with_past),
             ("mha2", fuse_mha.mha_rules_no_past),
-            ("mha_scale", mha_scale._mha_scale_rules),
+            ("mha_scale", mha_scale_rules),
             ("mha_bias", mha_bias.mha_bias_rules),
             ("attention", attention.attention_rules),
         ]
@@ -155,16 +154,16 @@ def _steps(opts: FusePass) -> list[tuple[str, Any]]:
         steps.append(("bias_gelu", bias_gelu.bias_gelu_rules))
     if opts.attention:
         # an SDPA left without a MultiHeadAttention form is expanded into MultiHeadAttention + reshapes
-        steps.append(("sdpa_via_mha", sdpa_via_mha._rules))
-    if opts.layer_norm and _sum_form(opts):
+        steps.append(("sdpa_via_mha", sdpa_via_mha_rules))
+    if opts.layer_norm and _sum_form(opts, provider):
         steps.append(("residual_norm", ResidualNormStep()))
     return steps
 
 
-def _sum_form(opts: FusePass) -> bool:
+def _sum_form(opts: FusePass, provider: str) -> bool:
     """Whether residual LayerNorms end as Sum + LayerNormalization (CPU) or SkipLayerNormalization."""
     if opts.skip_norm == "auto":
-        return opts.context.provider != "cuda"
+        return provider != "cuda"
     return opts.skip_norm == "sum"
 
 
@@ -203,7 +202,7 @@ def _why_not(step: Any, model: ir.Model, rule_name: str) -> str | None:
         return step.why_not(model)
     if callable(step):
         return None
-    from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+    from onnxscript.rewriter import MatchingTracer, MatchStatus
 
     tracer = MatchingTracer()
     step.apply_to_model(model, tracer=tracer)
@@ -226,7 +225,7 @@ class FusePass(GraphoptPass):
 
     name = "fuse"
     exact = True
-    emits = tuple(f"com.microsoft::{op}" for op in FUSED_OPS)
+    emits = tuple(f"{MS_DOMAIN}::{op}" for op in FUSED_OPS)
     run_after = ("cleanup",)
 
     def __init__(
@@ -258,26 +257,26 @@ class FusePass(GraphoptPass):
         self.gqa = gqa
         self.skip_norm = skip_norm
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         from onnxscript.optimizer import optimize
 
         opset = default_opset(model)
         if opset < MIN_OPSET:
-            self.context.notes.append(f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is")
-            return ir.passes.PassResult(model, modified=False)
+            return PassResult(model, False, notes=[f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is"])
+        notes: list[str] = []
         reason = _prepare(model)
         if reason:
             logger.info("fuse: %s; TorchScript-style attention may stay unfused", reason)
-            if self.context.explain:
-                self.context.notes.append(f"fuse: shapes: {reason}")
+            if ctx.explain:
+                notes.append(f"fuse: shapes: {reason}")
         counts: dict[str, int] = {}
-        steps = _steps(self)
+        steps = _steps(self, ctx.provider)
         misses: list[str] = []
         for rule_name, step in steps:
             n = _apply(step, model)
             if n:
                 counts[rule_name] = n
-            elif self.context.explain:
+            elif ctx.explain:
                 # traced right away: the graph is the one the rule just failed on, so nothing matches
                 why = _why_not(step, model, rule_name)
                 if why:
@@ -285,24 +284,22 @@ class FusePass(GraphoptPass):
         if not counts:
             # nothing fused: report unmodified so the pipeline keeps the graph exactly as it was
             # (the preparation above folded constants and inferred shapes on this working copy)
-            if self.context.explain:
-                self.context.notes.extend(_explain(model, misses))
-            return ir.passes.PassResult(model, modified=False)
+            if ctx.explain:
+                notes.extend(_explain(model, misses))
+            return PassResult(model, False, notes=notes)
         optimize(model, inline=False)
         folded = _fold_weight_concats(model)
         if folded:
             counts["fold_weight_concat"] = folded
         common_passes.RemoveUnusedNodesPass()(model)
-        for k, v in counts.items():
-            self.context.rule_counts[k] = v
-        if self.context.explain:
-            self.context.notes.extend(_explain(model, misses))
+        if ctx.explain:
+            notes.extend(_explain(model, misses))
             if not self.gqa and any(n.op_type == "MultiHeadAttention" for n in model.graph):
-                self.context.notes.append(
+                notes.append(
                     "fuse: gqa: GroupQueryAttention not tried (option gqa=false): it replaces the attention "
                     "mask by per-row lengths, exact only for right-padded batches; MultiHeadAttention used"
                 )
-        return ir.passes.PassResult(model, modified=True)
+        return PassResult(model, True, notes=notes, rule_counts=counts)
 
 
 def _fold_weight_concats(model: ir.Model) -> int:
@@ -329,13 +326,6 @@ def _fold_weight_concats(model: ir.Model) -> int:
         out.replace_all_uses_with(value)
         done += 1
     return done
-
-
-def _op_counts(model: ir.Model) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        out[node.op_type] = out.get(node.op_type, 0) + 1
-    return out
 
 
 def _explain(model: ir.Model, misses: list[str]) -> list[str]:

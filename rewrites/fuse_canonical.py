@@ -27,12 +27,8 @@ Exact given the symbolic shapes (see ``fuse_shapes``); refuses when a dimension 
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-
-logger = logging.getLogger(__name__)
 
 
 class ConstantSecond(pattern.RewriteRuleClassBase):

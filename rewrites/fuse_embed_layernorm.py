@@ -19,13 +19,12 @@ the last axis; the tables' widths differ; or an intermediate sum is used elsewhe
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _fusion_utils, _ir_utils, pattern
+from onnxscript.rewriter import pattern
 
-logger = logging.getLogger(__name__)
+from graphopt.onnxscript_compat import check_shape_bool, get_numpy_value
+from graphopt.opsets import MS_DOMAIN
 
 
 def _seq_len_source(ends: ir.Value) -> tuple[ir.Value, int] | None:
@@ -40,11 +39,11 @@ def _seq_len_source(ends: ir.Value) -> tuple[ir.Value, int] | None:
             return node.inputs[0], start
         return None
     if node.op_type == "Unsqueeze" and len(node.inputs) == 2:
-        axes = _ir_utils.get_numpy_value(node.inputs[1])
+        axes = get_numpy_value(node.inputs[1])
         g = node.inputs[0].producer()
         if axes is None or axes.tolist() not in ([0], 0) or g is None or g.op_type != "Gather":
             return None
-        idx = _ir_utils.get_numpy_value(g.inputs[1])
+        idx = get_numpy_value(g.inputs[1])
         shp = g.inputs[0].producer()
         if idx is None or idx.ndim != 0 or shp is None or shp.op_type != "Shape":
             return None
@@ -97,15 +96,15 @@ class EmbedLayerNormFusion(pattern.RewriteRuleClassBase):
         # position ids must be exactly 0..S-1
         slice_node = pos_ids.producer()
         if len(slice_node.inputs) > 4 and slice_node.inputs[4] is not None:
-            steps = _ir_utils.get_numpy_value(slice_node.inputs[4])
+            steps = get_numpy_value(slice_node.inputs[4])
             if steps is None or steps.tolist() != [1]:
                 return result.fail("position slice has a step other than 1", pos_ids)
-        table = _ir_utils.get_numpy_value(pos_table)
+        table = get_numpy_value(pos_table)
         if table is None or table.ndim != 2 or table.shape[0] != 1:
             return result.fail("position ids are not a constant [1, N] table", pos_table)
         if not np.array_equal(table[0], np.arange(table.shape[1])):
             return result.fail("position id table is not 0..N-1", pos_table)
-        st, ax = _ir_utils.get_numpy_value(starts), _ir_utils.get_numpy_value(axes)
+        st, ax = get_numpy_value(starts), get_numpy_value(axes)
         if st is None or st.tolist() != [0] or ax is None or ax.tolist() not in ([1], [-1]):
             return result.fail("position ids are not sliced [0:end] on axis 1", pos_ids)
         src = _seq_len_source(ends)
@@ -120,7 +119,7 @@ class EmbedLayerNormFusion(pattern.RewriteRuleClassBase):
         if not same:
             return result.fail("position slice end is not the sequence length of the input ids", ends)
         bindings: dict = {}
-        if not _fusion_utils.check_shape_bool(bindings, ids, ["B", "S"]) or not _fusion_utils.check_shape_bool(
+        if not check_shape_bool(bindings, ids, ["B", "S"]) or not check_shape_bool(
             bindings, tt, ["B", "S"]
         ):
             return result.fail("input ids and token type ids differ in shape", tt)
@@ -131,7 +130,7 @@ class EmbedLayerNormFusion(pattern.RewriteRuleClassBase):
         ids32 = ids if ids.dtype == ir.DataType.INT32 else op.Cast(ids, to=ir.DataType.INT32)
         tt32 = tt if tt.dtype == ir.DataType.INT32 else op.Cast(tt, to=ir.DataType.INT32)
         out, _mask_index = op.EmbedLayerNormalization(
-            ids32, tt32, word, pos, seg, gamma, beta, epsilon=eps, _domain="com.microsoft", _outputs=2
+            ids32, tt32, word, pos, seg, gamma, beta, epsilon=eps, _domain=MS_DOMAIN, _outputs=2
         )
         return out
 
@@ -141,5 +140,3 @@ embed_layer_norm_rules = pattern.RewriteRuleSet(
         *EmbedLayerNormFusion.rule("embed_layer_norm").commute(),
     ]
 )
-
-fuse_embed_layer_norm = _fusion_utils.apply_fusion_rules(embed_layer_norm_rules)

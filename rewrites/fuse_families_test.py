@@ -27,6 +27,7 @@ from graphopt import registry
 from graphopt.feeds import generate
 from graphopt.fusion_status import fusion_status
 from graphopt.metrics import compare
+from graphopt.registry import PassContext
 from graphopt.runtime import make_session, run
 
 
@@ -44,11 +45,10 @@ def _fuse(path):
     feeds = generate(model)
     ref = run(make_session(model, optimize=False), feeds)
     p = registry.create("fuse")
-    p.context.explain = True
-    p(model)
+    result = p(model, PassContext(explain=True))
     got = run(make_session(model, optimize=False), feeds)
     ops = collections.Counter(n.op_type for n in model.graph)
-    return model, ops, p.context.notes, compare(got, ref, feeds).worst("max_abs")
+    return model, ops, result.notes, compare(got, ref, feeds).worst("max_abs")
 
 
 def test_bert_fully_fused(tiny):
@@ -102,8 +102,7 @@ def test_cuda_keeps_skip_norm(tiny, family, task, want):
     feeds = generate(model)
     ref = run(make_session(model, optimize=False), feeds)
     p = registry.create("fuse")
-    p.context.provider = "cuda"
-    p(model)
+    p(model, PassContext(provider="cuda"))
     ops = collections.Counter(n.op_type for n in model.graph)
     assert {k: ops[k] for k in want} == want, ops
     assert fusion_status(model)["fully_fused"]

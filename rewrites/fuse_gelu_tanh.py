@@ -16,13 +16,13 @@ used outside the subgraph (rewriter rule).
 
 from __future__ import annotations
 
-import logging
 import math
 
 import onnx_ir as ir
-from onnxscript.rewriter import _ir_utils, pattern
+from onnxscript.rewriter import pattern
 
-logger = logging.getLogger(__name__)
+from graphopt.onnxscript_compat import get_singleton_value
+from graphopt.opsets import MS_DOMAIN
 
 _CONSTS = {"three": 3.0, "c1": 0.044715, "c2": math.sqrt(2.0 / math.pi), "one": 1.0, "half": 0.5}
 
@@ -47,7 +47,7 @@ class TanhGelu(pattern.RewriteRuleClassBase):
             return result.fail(f"input is {x.dtype}, not float/float16", x)
         for name, want in _CONSTS.items():
             v = kw[name]
-            got = _ir_utils.get_singleton_value(v)
+            got = get_singleton_value(v)
             if got is None:
                 return result.fail(f"{name} is not a scalar constant", v)
             if abs(float(got) - want) > 1e-6 * abs(want):
@@ -55,7 +55,7 @@ class TanhGelu(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, x, **_):
-        return op.FastGelu(x, _domain="com.microsoft")
+        return op.FastGelu(x, _domain=MS_DOMAIN)
 
 
 tanh_gelu_rules = pattern.RewriteRuleSet(

@@ -19,15 +19,12 @@ subgraph (the rewriter refuses such matches).
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _ir_utils, pattern
+from onnxscript.rewriter import pattern
 
+from graphopt.onnxscript_compat import get_numpy_value, get_singleton_value
 from graphopt.opsets import default_opset
-
-logger = logging.getLogger(__name__)
 
 _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
 
@@ -69,7 +66,7 @@ class DecomposedLayerNorm(pattern.RewriteRuleClassBase):
             if node.attributes.get_int("keepdims", 1) != 1:
                 return result.fail("ReduceMean drops the reduced axis (keepdims=0)", v)
             if self._axes_input:
-                axes = _ir_utils.get_numpy_value(node.inputs[1]) if len(node.inputs) > 1 else None
+                axes = get_numpy_value(node.inputs[1]) if len(node.inputs) > 1 else None
                 axes = None if axes is None else axes.reshape(-1).tolist()
             else:
                 axes = node.attributes.get_ints("axes", None)
@@ -80,10 +77,10 @@ class DecomposedLayerNorm(pattern.RewriteRuleClassBase):
             if len(axes) != 1 or axes[0] not in last:
                 return result.fail(f"ReduceMean reduces axes {axes}, not just the last one", v)
         if two is not None:
-            p = _ir_utils.get_singleton_value(two)
+            p = get_singleton_value(two)
             if p is None or float(p) != 2.0:
                 return result.fail("exponent is not the constant 2", two)
-        e = _ir_utils.get_singleton_value(eps)
+        e = get_singleton_value(eps)
         if e is None:
             return result.fail("epsilon is not a scalar constant", eps)
         width = x.shape[-1] if rank else None
@@ -102,7 +99,7 @@ class DecomposedLayerNorm(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, x, eps, gamma, beta=None, **_):
-        e = float(_ir_utils.get_singleton_value(eps))
+        e = float(get_singleton_value(eps))
         inputs = [x, gamma] + ([beta] if beta is not None else [])
         return op.LayerNormalization(*inputs, axis=-1, epsilon=e, stash_type=1)
 
@@ -112,12 +109,10 @@ def _rules(bias: bool) -> list:
     for axes_input in (True, False):
         for square in ("pow", "mul"):
             for divide in (True, False):
-                if True:
-                    name = f"layer_norm_{'axes_in' if axes_input else 'axes_attr'}_{square}_{'div' if divide else 'recip'}"
-                    name += "_bias" if bias else ""
-                    rule = DecomposedLayerNorm.rule(name, axes_input=axes_input, square=square, divide=divide,
-                                                    bias=bias)
-                    rules.append(rule)  # canonical rules have put constants second already
+                name = f"layer_norm_{'axes_in' if axes_input else 'axes_attr'}_{square}_{'div' if divide else 'recip'}"
+                name += "_bias" if bias else ""
+                rule = DecomposedLayerNorm.rule(name, axes_input=axes_input, square=square, divide=divide, bias=bias)
+                rules.append(rule)  # canonical rules have put constants second already
     return rules
 
 

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt import registry
 from graphopt.metrics import compare
+from graphopt.registry import PassContext
 from graphopt.runtime import make_session, run
 
 RNG = np.random.default_rng(1)
@@ -75,9 +76,7 @@ def _fuse(model, provider="cpu"):
               "skip": RNG.standard_normal((2, 5, D)).astype(np.float32)}]
     ref = run(make_session(model, optimize=False), feeds)
     p = registry.create("fuse")
-    p.context.explain = True
-    p.context.provider = provider
-    result = p(model)
+    result = p(model, PassContext(explain=True, provider=provider))
     got = run(make_session(result.model, optimize=False), feeds)
     return result, collections.Counter(n.op_type for n in result.model.graph), compare(got, ref, feeds)
 

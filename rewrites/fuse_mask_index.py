@@ -36,14 +36,14 @@ evaluation fails or gives a value that is not the standard form; the masked cons
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 
-from ._fuse_step import ReasonedStep
+from graphopt.contrib import attention_inputs
+from graphopt.errors import first_line
+from graphopt.opsets import MS_DOMAIN
 
-logger = logging.getLogger(__name__)
+from ._fuse_step import ReasonedStep
 
 #: the masked value must be at least this negative to count as a padding mask
 MAX_FILTER = -1e4
@@ -152,15 +152,15 @@ class MaskIndexStep(ReasonedStep):
         self.reasons = []
         sites = []
         for node in model.graph:
-            if node.op_type != "Attention" or node.domain != "com.microsoft":
+            if node.op_type != "Attention" or node.domain != MS_DOMAIN:
                 continue
-            ins = list(node.inputs) + [None] * max(0, 6 - len(node.inputs))
+            a = attention_inputs(node)
             label = f"Attention {node.name!r}"
-            if ins[3] is not None:
+            if a.mask_index is not None:
                 self.reasons.append(f"fuse: mask_index: {label} already has a mask_index")
-            elif any(v is not None for i, v in enumerate(ins) if i == 4 or i > 5):
+            elif a.past_state:
                 self.reasons.append(f"fuse: mask_index: {label} has past state or extra inputs")
-            elif ins[5] is None:
+            elif a.attention_bias is None:
                 self.reasons.append(f"fuse: mask_index: {label} has no attention bias")
             else:
                 sites.append(node)
@@ -170,7 +170,7 @@ class MaskIndexStep(ReasonedStep):
         verdict: dict[int, tuple[ir.Value, float] | str] = {}
         biases = {}
         for node in sites:
-            bias = node.inputs[5]
+            bias = attention_inputs(node).attention_bias
             if id(bias) in verdict or id(bias) in biases:
                 continue
             mask, why = _mask_source(bias, graph_inputs)
@@ -183,7 +183,7 @@ class MaskIndexStep(ReasonedStep):
         casts: dict[int, ir.Value] = {}
         count = 0
         for node in sites:
-            v = verdict[id(node.inputs[5])]
+            v = verdict[id(attention_inputs(node).attention_bias)]
             if isinstance(v, str):
                 self.reasons.append(f"fuse: mask_index: Attention {node.name!r}: {v}")
                 continue
@@ -239,7 +239,7 @@ def _evaluate(model: ir.Model, pairs: list[tuple[ir.Value, ir.Value]]) -> dict[i
         try:
             results = sess.run(names, feeds)
         except Exception as e:  # noqa: BLE001
-            return {id(b): f"evaluating the bias failed: {str(e).splitlines()[0]}" for b, _ in pairs}
+            return {id(b): f"evaluating the bias failed: {first_line(e)}" for b, _ in pairs}
         for (b, _mask), got in zip(pairs, results):
             if id(b) in failed:
                 continue

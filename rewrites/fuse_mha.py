@@ -16,13 +16,9 @@ Refusals are those of the upstream rule (shapes of q/k/v/past, mask shapes).
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import mha
-
-logger = logging.getLogger(__name__)
 
 
 def _is_bsd(y: ir.Value, query: ir.Value) -> bool:

@@ -29,17 +29,12 @@ for them are fused and vectorised; not measured here).
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 
-from graphopt.opsets import default_opset
+from graphopt.opsets import MS_DOMAIN, default_opset
 
 from ._fuse_step import ReasonedStep
 
-logger = logging.getLogger(__name__)
-
-_MS = "com.microsoft"
 _SKIP_OPS = {"SkipLayerNormalization": "LayerNormalization", "SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization"}
 #: LayerNormalization is an ONNX op from opset 17
 MIN_OPSET = 17
@@ -72,7 +67,7 @@ class ResidualNormStep(ReasonedStep):
     def apply_to_model(self, model: ir.Model, **_) -> int:
         self.reasons = []
         graph = model.graph
-        sites = [n for n in graph if n.domain == _MS and n.op_type in _SKIP_OPS]
+        sites = [n for n in graph if n.domain == MS_DOMAIN and n.op_type in _SKIP_OPS]
         if not sites:
             return 0
         if default_opset(model) < MIN_OPSET:

@@ -12,12 +12,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.fusion_status import fusion_status
 from graphopt.metrics import compare
+from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites.fuse_residual_norm import ResidualNormStep
 from graphopt.runtime import make_session, run
 
 RNG = np.random.default_rng(0)
 D = 16
-MS = "com.microsoft"
 
 
 def _c(name, shape, scale=0.3, offset=0.0):
@@ -27,14 +27,14 @@ def _c(name, shape, scale=0.3, offset=0.0):
 def _model(op="SkipLayerNormalization", inputs=("x", "skip", "gamma", "beta", "bias"),
            outputs=("y",), graph_outputs=("y",), opset=17) -> ir.Model:
     inits = {"gamma": _c("gamma", (D,), 0.1, 1.0), "beta": _c("beta", (D,)), "bias": _c("bias", (D,))}
-    nodes = [helper.make_node(op, list(inputs), list(outputs), domain=MS, epsilon=1e-5, name="sln")]
+    nodes = [helper.make_node(op, list(inputs), list(outputs), domain=MS_DOMAIN, epsilon=1e-5, name="sln")]
     graph = helper.make_graph(
         nodes, "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", "seq", D]) for n in ("x", "skip")],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["batch", "seq", D]) for o in graph_outputs],
         [inits[i] for i in inputs if i in inits],
     )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)],
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
                               ir_version=8)
     onnx.checker.check_model(proto)
     return ir.serde.deserialize_model(proto)

@@ -26,14 +26,11 @@ the cos/sin Unsqueeze axis is not 1; the Concat is not ``(f, f)`` on the last ax
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
-from onnxscript.rewriter import _ir_utils, pattern
+from onnxscript.rewriter import pattern
 
-logger = logging.getLogger(__name__)
-
-_PLACEHOLDER = "ai.onnxruntime._fusion"
+from graphopt.onnxscript_compat import get_numpy_value, get_singleton_value
+from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN, MS_DOMAIN
 
 
 def _positions(p: ir.Value) -> tuple[ir.Value, ir.Value | None] | str:
@@ -53,7 +50,7 @@ def _positions(p: ir.Value) -> tuple[ir.Value, ir.Value | None] | str:
     if node is None or node.op_type != "Range" or node.domain != "":
         return "positions are not a Range"
     start, limit, delta = node.inputs
-    if _ir_utils.get_singleton_value(start) != 0 or _ir_utils.get_singleton_value(delta) != 1:
+    if get_singleton_value(start) != 0 or get_singleton_value(delta) != 1:
         return "positions Range does not start at 0 with step 1"
     if p.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
         return f"positions are {p.dtype}, not int32/int64"
@@ -73,7 +70,7 @@ class RotaryFromPositions(pattern.RewriteRuleClassBase):
         emb = op.Concat(f, f, _allow_other_attributes=True, _outputs=["emb"])
         cos = op.Unsqueeze(op.Cos(emb), ax_c)
         sin = op.Unsqueeze(op.Sin(emb), ax_s)
-        return op.RotaryEmbedding(x, cos, sin, _allow_other_attributes=True, _domain=_PLACEHOLDER, _outputs=["y"])
+        return op.RotaryEmbedding(x, cos, sin, _allow_other_attributes=True, _domain=FUSION_PLACEHOLDER_DOMAIN, _outputs=["y"])
 
     def check(self, context, x, p, axes, inv_freq, ax_c, ax_s, emb, y, **_):
         result = pattern.MatchResult()
@@ -88,11 +85,11 @@ class RotaryFromPositions(pattern.RewriteRuleClassBase):
             return result.fail(f"input is not [B, N, S, {2 * e}]", x)
         if emb.producer().attributes.get_int("axis", 0) not in (-1, 2):
             return result.fail("Concat is not on the last axis", emb)
-        a = _ir_utils.get_numpy_value(axes)
+        a = get_numpy_value(axes)
         if a is None or a.reshape(-1).tolist() != [0, 2] or p.shape is None or p.shape.rank() != 1:
             return result.fail("positions are not a 1-D [S] tensor unsqueezed to [1, S, 1]", p)
         for v in (ax_c, ax_s):
-            av = _ir_utils.get_numpy_value(v)
+            av = get_numpy_value(v)
             if av is None or av.reshape(-1).tolist() != [1]:
                 return result.fail("cos/sin are not unsqueezed on axis 1", v)
         if x.dtype != ir.DataType.FLOAT or c.dtype != ir.DataType.FLOAT:
@@ -114,7 +111,7 @@ class RotaryFromPositions(pattern.RewriteRuleClassBase):
             start_1 = op.Reshape(start, op.Constant(value_ints=[1]))
             self._caches[key] = (start_1, op.Cos(angles), op.Sin(angles))
         start_1, cos_cache, sin_cache = self._caches[key]
-        return op.RotaryEmbedding(x, start_1, cos_cache, sin_cache, interleaved=0, _domain="com.microsoft")
+        return op.RotaryEmbedding(x, start_1, cos_cache, sin_cache, interleaved=0, _domain=MS_DOMAIN)
 
     def cleanup(self):
         self._caches.clear()

@@ -26,6 +26,8 @@ import logging
 
 import onnx_ir as ir
 
+from graphopt.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,7 +58,7 @@ def annotate_symbolic_shapes(model: ir.Model) -> str | None:
     try:
         inferred = symbolic_infer(proto, auto_merge=True, guess_output_rank=False)
     except Exception as e:  # noqa: BLE001 - any failure means: keep ONNX's shapes
-        return f"symbolic shape inference failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+        return f"symbolic shape inference failed: {first_line(e)}"
     if inferred is None:
         return "symbolic shape inference returned nothing"
     shapes = {}

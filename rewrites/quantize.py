@@ -4,7 +4,7 @@ Modes (``mode=``):
 
 - ``dynamic``: per-channel symmetric int8 weights, activations quantized at run time
   (``DynamicQuantizeMatMul``; fused ``Attention`` -> ``DynamicQuantizeLinear`` + ``QAttention``);
-- ``static``: activation ranges calibrated on ``context.calib_feeds`` (``calibrator=minmax|percentile|
+- ``static``: activation ranges calibrated on ``ctx.calib_feeds`` (``calibrator=minmax|percentile|
   entropy|auto``; auto picks per tensor by local error), u8 activations / s8 weights on CPU, s8/s8 for
   CUDA (``act_type``); ``format=qop`` emits ``QuantizeLinear`` + ``MatMulIntegerToFloat`` /
   ``QAttention`` directly, ``format=qdq`` emits standard Q/DQ pairs for ORT's QDQ fusions (default: qop
@@ -23,7 +23,7 @@ int4 mode; ``false``: keep tables float). In int4
 mode fused Attention weights go to int8 ``QAttention`` (no 4-bit attention kernel), and the layers the
 budget search takes out of 4 bits fall back to int8 (``DynamicQuantizeMatMul``), not float.
 
-Budget: ``context.budget``, or cosine>=0.99 & cosine_min>=0.97 when the user gave none. With
+Budget: ``ctx.budget``, or cosine>=0.99 & cosine_min>=0.97 when the user gave none. With
 ``mixed=true`` each layer's sensitivity is measured (``sensitivity=model``, the default: the budget
 metric with only that layer quantized, one session per layer; ``sensitivity=local``: the layer's own
 relative output error on sampled calibration rows, no extra sessions, but a worse ranking: on MiniLM
@@ -51,8 +51,10 @@ import onnx_ir as ir
 
 from graphopt import runtime, standins
 from graphopt.errors import UsageError
+from graphopt.feeds import split_feeds
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
-from graphopt.registry import GraphoptPass, register
+from graphopt.opsets import MS_DOMAIN
+from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.rewrites import _quant_calib as calib_mod
 from graphopt.rewrites import _quant_qdq as qdq
 from graphopt.rewrites import _quant_smooth as smooth_mod
@@ -86,8 +88,8 @@ class QuantizePass(GraphoptPass):
     name = "quantize"
     default_budget = DEFAULT_BUDGET
     exact = False
-    emits = ("com.microsoft::DynamicQuantizeMatMul", "com.microsoft::MatMulIntegerToFloat",
-             "com.microsoft::QAttention", "com.microsoft::MatMulNBits")
+    emits = tuple(f"{MS_DOMAIN}::{op}" for op in ("DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention",
+                                                  "MatMulNBits"))
 
     def __init__(
         self,
@@ -144,82 +146,59 @@ class QuantizePass(GraphoptPass):
         self._whole_table_dq = mode == "int4" or emb != "auto"
         self.block_size, self.accuracy_level, self.int4_method = block_size, accuracy_level, int4_method
         self.sensitivity_feeds, self.sensitivity = sensitivity_feeds, sensitivity
-        #: x / s inside a per-channel QuantizeLinear instead of a Mul: exact, but ORT 1.32's per-axis
-        #: QuantizeLinear on CPU measured ~10x slower than Mul + per-tensor QuantizeLinear (MiniLM)
-        self.smooth_in_quantizelinear = False
 
     # ------------------------------------------------------------ helpers
 
-    def _note(self, msg: str) -> None:
-        logger.info("quantize: %s", msg)
-        self.context.notes.append(msg)
-
-    def _budget(self) -> Budget:
-        b = self.context.budget
-        if b:
-            return b
-        self._note(f"no budget given: using the default {DEFAULT_BUDGET}")
-        return parse_budget(DEFAULT_BUDGET)
-
-    def _build(self, model: ir.Model, plan: Mapping[str, QConfig], factors: Mapping[str, np.ndarray]
-               ) -> tuple[ir.Model, dict[str, int]]:
+    def build(self, model: ir.Model, plan: Mapping[str, QConfig], factors: Mapping[str, np.ndarray]
+              ) -> tuple[ir.Model, dict[str, int]]:
         """Apply ``plan`` (and SmoothQuant ``factors``) to ``model`` in place."""
         plan = {k: dataclasses.replace(v) for k, v in plan.items()}
         targets = qdq.find_targets(model, embeddings=self.embeddings)
         counts: dict[str, int] = {}
         if factors:
-            # static qop: an unfoldable x / s goes into a per-channel QuantizeLinear (no Mul), valid
-            # when every reader of x is such a target
-            readers: dict[str, list[Target]] = {}
-            for t in targets:
-                if t.act is not None:
-                    readers.setdefault(t.act.name, []).append(t)
-            no_mul = frozenset(
-                n for n, ts in readers.items()
-                if self.smooth_in_quantizelinear and n in factors
-                and all(t.key in plan and plan[t.key].mode == "static" and plan[t.key].fmt == "qop" for t in ts))
-            folded: set[str] = set()
-            counts.update(smooth_mod.apply_smoothing(model, targets, factors, no_mul, folded))
-            for t in targets:
-                name = t.act.name if t.act is not None else None
-                if name in no_mul and name not in folded:
-                    plan[t.key].act_div = factors[name]
+            # x / s is folded into the producer or done by a Mul: x / s inside a per-channel QuantizeLinear
+            # is exact too, but ORT 1.32's per-axis QuantizeLinear on CPU measured ~10x slower than Mul +
+            # per-tensor QuantizeLinear (MiniLM)
+            counts.update(smooth_mod.apply_smoothing(model, targets, factors))
             # float-kept readers of a smoothed (folded or Mul) activation get their weights scaled (exact)
             for t in targets:
                 name = t.act.name if t.act is not None else None
-                if name in factors and t.key not in plan and name not in no_mul:
+                if name in factors and t.key not in plan:
                     s = factors[name]
                     t.weight.const_value = ir.tensor(t.weight_array * s.reshape(-1, 1), name=t.weight.name)
         counts.update(qdq.apply(model, targets, plan))
         return model, counts
 
-    def _evaluate(self, model: ir.Model, plan, factors, feeds, ref) -> Comparison:
-        cand, _ = self._build(model.clone(), plan, factors)
-        sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
-        return compare(runtime.run(sess, feeds), ref, feeds)
-
     # ------------------------------------------------------------ the pass
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        budget = self._budget()
-        calib = list(self.context.calib_feeds) or list(self.context.feeds)
-        held = list(self.context.feeds) or calib
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        notes: list[str] = []
+
+        def note(msg: str) -> None:
+            logger.info("quantize: %s", msg)
+            notes.append(msg)
+
+        budget = ctx.budget
+        if not budget:
+            note(f"no budget given: using the default {DEFAULT_BUDGET}")
+            budget = parse_budget(DEFAULT_BUDGET)
+        calib = list(ctx.calib_feeds) or list(ctx.feeds)
+        held = list(ctx.feeds) or calib
         if not calib:
             from graphopt import feeds as feeds_mod
 
             calib = held = feeds_mod.generate(model)
-            self._note("no feeds given: calibrating on generated feeds (give --calib for real data)")
+            note("no feeds given: calibrating on generated feeds (give --calib for real data)")
         targets = qdq.find_targets(model, embeddings=self.embeddings)
-        self._targets = targets
-        if not any(t.kind != "gather" for t in targets) and not targets:
-            self._note("nothing to quantize (no MatMul/Attention with constant weights)")
-            return ir.passes.PassResult(model, False)
+        if not targets:
+            note("nothing to quantize (no MatMul/Attention with constant weights)")
+            return PassResult(model, False, notes=notes)
         keep = {k.strip() for k in self.keep_float.split(",") if k.strip()}
-        provider = self.context.provider
+        provider = ctx.provider
         act_type = self.act_type if self.act_type != "auto" else ("s8" if provider == "cuda" else "u8")
         fmt = self.format if self.format != "auto" else ("qdq" if provider == "cuda" else "qop")
         if provider == "cuda" and self.mode in ("auto", "dynamic"):
-            self._note("CUDA: dynamic int8 ops have CPU kernels only; using static QDQ")
+            note("CUDA: dynamic int8 ops have CPU kernels only; using static QDQ")
         base_modes = {"auto": ["static", "dynamic"], "dynamic": ["dynamic"], "static": ["static"],
                       "int4": ["int4"]}[self.mode]
         if provider == "cuda" and self.mode == "auto":
@@ -254,7 +233,7 @@ class QuantizePass(GraphoptPass):
                 xtx_for=act_names if self.mode == "int4" and self.int4_method == "gptq" else (),
             )
 
-        self._stats, self._act_type, self._model = stats, act_type, model
+        run = _Run(self, model, targets, budget, calib, held, ref_calib, ref_held, stats, notes)
         outcomes = []
         ranking: list[str] | None = None
         for mode, sq in modes:
@@ -262,30 +241,28 @@ class QuantizePass(GraphoptPass):
             for k in keep:
                 plan.pop(k, None)
             label = mode + ("+smoothquant" if sq else "")
-            self._note(f"{label}: {info}")
-            out, ranking = self._search(model, label, targets, plan, factors, budget, calib, held,
-                                        ref_calib, ref_held, ranking)
+            note(f"{label}: {info}")
+            out, ranking = run.search(label, plan, factors, ranking)
             outcomes.append(out)
             if out.ok and not out.floats:
                 break
 
         good = [o for o in outcomes if o.ok]
         for o in outcomes:
-            self._note(self._describe(o))
+            note(self._describe(o))
         if not good:
-            self._note(f"budget {budget} cannot be met by any quantized model: model left unchanged (fp32)")
-            self.context.budget_met = False
-            return ir.passes.PassResult(model, False)
+            note(f"budget {budget} cannot be met by any quantized model: model left unchanged (fp32)")
+            return PassResult(model, False, notes=notes, budget_met=False)
         labels = [o.mode for o in outcomes]
         best = min(good, key=lambda o: (o.float_macs, labels.index(o.mode)))
-        _, counts = self._build(model, best.plan, best.factors)
-        self.context.rule_counts.update({f"quantize-{k}": v for k, v in counts.items()})
-        self.context.rule_counts["quantize-kept-float"] = len(best.floats)
+        _, counts = self.build(model, best.plan, best.factors)
+        rule_counts = {f"quantize-{k}": v for k, v in counts.items()}
+        rule_counts["quantize-kept-float"] = len(best.floats)
         if best.int8:
-            self.context.rule_counts["quantize-int4-as-int8"] = len(best.int8)
-        self._note(f"chose {best.mode}" + (f" (format {fmt}, {act_type} activations)" if best.mode.startswith("static") else ""))
-        self._note(self._integer_ops_note(model))
-        return ir.passes.PassResult(model, True)
+            rule_counts["quantize-int4-as-int8"] = len(best.int8)
+        note(f"chose {best.mode}" + (f" (format {fmt}, {act_type} activations)" if best.mode.startswith("static") else ""))
+        note(self._integer_ops_note(model))
+        return PassResult(model, True, notes=notes, rule_counts=rule_counts)
 
     def _base_plan(self, mode: str, sq: bool, targets: list[Target], stats, act_type: str, fmt: str):
         plan: dict[str, QConfig] = {}
@@ -354,142 +331,6 @@ class QuantizePass(GraphoptPass):
                 best = (err, r, c)
         return best[1], best[2]
 
-    def _search(self, model, mode, targets, plan, factors, budget, calib, held, ref_calib, ref_held, ranking):
-        keys = [t.key for t in targets if t.key in plan]
-        macs = {t.key: t.macs_per_row for t in targets}
-        total = float(sum(macs.values())) or 1.0
-
-        # the ladder of candidates, least to most float, walked by binary search (monotone assumption):
-        # step i keeps the i most sensitive layers float; in int4 mode the first n steps instead move
-        # them to int8 (dynamic) and only then do they go float (with everything else int8): the model
-        # stays small. "All float" is not a quantized model.
-        int4 = mode.startswith("int4")
-
-        def outcome(i: int) -> _Outcome:
-            n = len(order)
-            if int4 and i <= n:
-                floats, int8 = [], order[:i]
-            elif int4:
-                floats, int8 = order[:i - n], order[i - n:]
-            else:
-                floats, int8 = order[:i], []
-            p = {k: v for k, v in plan.items() if k not in floats}
-            p.update({k: QConfig("dynamic") for k in int8 if k in p})
-            return _Outcome(mode, p, factors, floats, int8=int8,
-                            float_macs=(total - sum(macs[k] for k in p)) / total)
-
-        order: list[str] = []
-        o = outcome(0)
-        o.calib = self._evaluate(model, o.plan, factors, calib, ref_calib)
-        if not budget.failures(o.calib):
-            o.held = self._evaluate(model, o.plan, factors, held, ref_held)
-            if not budget.failures(o.held):
-                o.ok = True
-                return o, ranking
-        if not self.mixed or len(keys) < 2:
-            if o.held is None:
-                o.held = self._evaluate(model, o.plan, factors, held, ref_held)
-            return o, ranking
-        if ranking is None:
-            ranking = self._sensitivity(model, keys, plan, factors, calib, ref_calib)
-            self._note("sensitivity (most sensitive first): " + ", ".join(ranking[:6])
-                       + (" ..." if len(ranking) > 6 else ""))
-        order = [k for k in ranking if k in plan]
-        last = 2 * len(order) - 1 if int4 else len(order) - 1
-        lo, hi, best, best_i = 1, last, None, 0
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            cand = outcome(mid)
-            cand.calib = self._evaluate(model, cand.plan, factors, calib, ref_calib)
-            if not budget.failures(cand.calib):
-                best, best_i, hi = cand, mid, mid - 1
-            else:
-                lo = mid + 1
-        if best is None:
-            o.held = self._evaluate(model, o.plan, factors, held, ref_held)
-            return o, ranking
-        # confirm on held-back feeds; move one more layer up the ladder while it fails there
-        i = best_i
-        while True:
-            best.held = self._evaluate(model, best.plan, factors, held, ref_held)
-            if not budget.failures(best.held) or i >= last:
-                best.ok = not budget.failures(best.held)
-                if best.ok and int4 and i > len(order):
-                    best = self._int4_back(best, order, i - len(order), plan, factors, budget, calib, held,
-                                           ref_calib, ref_held, mode, total, macs)
-                return best, ranking
-            i += 1
-            prev_calib = best.calib
-            best = outcome(i)
-            best.calib = prev_calib
-            self._note(f"{mode}: budget held on calibration but not on held-back feeds; "
-                       f"{len(best.floats)} layers float, {len(best.int8)} int8")
-
-    def _int4_back(self, best, order, j, plan, factors, budget, calib, held, ref_calib, ref_held, mode, total,
-                   macs):
-        """int4 with ``j`` layers float and the rest int8 meets the budget: give the least sensitive of
-        those int8 layers back to int4 (binary search on how many stay int8, confirmed on held-back feeds)."""
-        model = self._model
-        rest = order[j:]
-
-        def cand(k: int) -> _Outcome:
-            floats, int8 = order[:j], rest[:k]
-            p = {key: v for key, v in plan.items() if key not in floats}
-            p.update({key: QConfig("dynamic") for key in int8})
-            return _Outcome(mode, p, factors, floats, int8=int8,
-                            float_macs=(total - sum(macs[key] for key in p)) / total)
-
-        lo, hi, found = 0, len(rest) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            c = cand(mid)
-            c.calib = self._evaluate(model, c.plan, factors, calib, ref_calib)
-            if not budget.failures(c.calib):
-                found, hi = c, mid - 1
-            else:
-                lo = mid + 1
-        if found is None:
-            return best
-        found.held = self._evaluate(model, found.plan, factors, held, ref_held)
-        if budget.failures(found.held):
-            return best
-        found.ok = True
-        self._note(f"{mode}: {len(rest) - len(found.int8)} of the int8 layers back to int4")
-        return found
-
-    def _sensitivity(self, model, keys, plan, factors, calib, ref_calib) -> list[str]:
-        if self.sensitivity == "local":
-            ranking = self._local_sensitivity(keys, plan)
-            if ranking is not None:
-                return ranking
-        n = self.sensitivity_feeds if self.sensitivity_feeds > 0 else len(calib)
-        feeds, ref = calib[:n], ref_calib[:n]
-        err = {}
-        for k in keys:
-            c = self._evaluate(model, {k: plan[k]}, factors, feeds, ref)
-            err[k] = (1.0 - c.worst("cosine")) + 0.25 * (1.0 - c.worst("cosine_min"))
-        return sorted(keys, key=lambda k: -err[k])
-
-    def _local_sensitivity(self, keys, plan) -> list[str] | None:
-        """Rank layers by their own relative output error on the sampled calibration rows (no sessions).
-
-        Each layer's error: the layer quantized as planned (its smoothing included) on its float inputs,
-        ``|x W - q(x) q(W)|^2 / |x W|^2``. None when a layer has no sampled rows (then the ``model``
-        ranking runs).
-        """
-        stats = getattr(self, "_stats", {})
-        targets = {t.key: t for t in self._targets}
-        err = {}
-        for k in keys:
-            t, cfg = targets.get(k), plan[k]
-            st = stats.get(t.act.name) if t is not None and t.act is not None else None
-            if st is None or st.rows is None or cfg.mode not in ("dynamic", "static"):
-                return None
-            s = cfg.smooth
-            act = cfg.act_range if cfg.mode == "static" else None
-            err[k] = smooth_mod.local_error(st.rows, t.weight_array, s, act, cfg.act_type)
-        return sorted(keys, key=lambda k: -err[k])
-
     def _describe(self, o: _Outcome) -> str:
         def m(c: Comparison | None) -> str:
             if c is None:
@@ -530,18 +371,185 @@ class QuantizePass(GraphoptPass):
                                                            or "none"))
 
 
+@dataclasses.dataclass
+class _Run:
+    """One call of the pass: what the budget search works on, and the notes it writes.
+
+    Made fresh by every ``QuantizePass.call``; nothing of it is kept on the pass.
+    """
+
+    opts: QuantizePass
+    model: ir.Model
+    targets: list[Target]
+    budget: Budget
+    calib: list[Mapping[str, np.ndarray]]
+    held: list[Mapping[str, np.ndarray]]
+    ref_calib: list = dataclasses.field(default_factory=list)
+    ref_held: list = dataclasses.field(default_factory=list)
+    stats: dict[str, calib_mod.Stats] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.macs = {t.key: t.macs_per_row for t in self.targets}
+        self.total_macs = float(sum(self.macs.values())) or 1.0
+
+    def note(self, msg: str) -> None:
+        logger.info("quantize: %s", msg)
+        self.notes.append(msg)
+
+    def evaluate(self, plan: Mapping[str, QConfig], factors: Mapping[str, np.ndarray], feeds, ref) -> Comparison:
+        """Quality of ``plan`` applied to a copy of the model, on ``feeds`` against ``ref``."""
+        cand, _ = self.opts.build(self.model.clone(), plan, factors)
+        sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
+        return compare(runtime.run(sess, feeds), ref, feeds)
+
+    def search(self, mode: str, plan: dict[str, QConfig], factors: dict[str, np.ndarray],
+               ranking: list[str] | None) -> tuple[_Outcome, list[str] | None]:
+        """The quantized model of ``mode`` with the fewest float layers that meets the budget."""
+        keys = [t.key for t in self.targets if t.key in plan]
+        macs, total = self.macs, self.total_macs
+        budget = self.budget
+
+        # the ladder of candidates, least to most float, walked by binary search (monotone assumption):
+        # step i keeps the i most sensitive layers float; in int4 mode the first n steps instead move
+        # them to int8 (dynamic) and only then do they go float (with everything else int8): the model
+        # stays small. "All float" is not a quantized model.
+        int4 = mode.startswith("int4")
+
+        def outcome(i: int) -> _Outcome:
+            n = len(order)
+            if int4 and i <= n:
+                floats, int8 = [], order[:i]
+            elif int4:
+                floats, int8 = order[:i - n], order[i - n:]
+            else:
+                floats, int8 = order[:i], []
+            p = {k: v for k, v in plan.items() if k not in floats}
+            p.update({k: QConfig("dynamic") for k in int8 if k in p})
+            return _Outcome(mode, p, factors, floats, int8=int8,
+                            float_macs=(total - sum(macs[k] for k in p)) / total)
+
+        order: list[str] = []
+        o = outcome(0)
+        o.calib = self.evaluate(o.plan, factors, self.calib, self.ref_calib)
+        if not budget.failures(o.calib):
+            o.held = self.evaluate(o.plan, factors, self.held, self.ref_held)
+            if not budget.failures(o.held):
+                o.ok = True
+                return o, ranking
+        if not self.opts.mixed or len(keys) < 2:
+            if o.held is None:
+                o.held = self.evaluate(o.plan, factors, self.held, self.ref_held)
+            return o, ranking
+        if ranking is None:
+            ranking = self.sensitivity(keys, plan, factors)
+            self.note("sensitivity (most sensitive first): " + ", ".join(ranking[:6])
+                       + (" ..." if len(ranking) > 6 else ""))
+        order = [k for k in ranking if k in plan]
+        last = 2 * len(order) - 1 if int4 else len(order) - 1
+        lo, hi, best, best_i = 1, last, None, 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = outcome(mid)
+            cand.calib = self.evaluate(cand.plan, factors, self.calib, self.ref_calib)
+            if not budget.failures(cand.calib):
+                best, best_i, hi = cand, mid, mid - 1
+            else:
+                lo = mid + 1
+        if best is None:
+            o.held = self.evaluate(o.plan, factors, self.held, self.ref_held)
+            return o, ranking
+        # confirm on held-back feeds; move one more layer up the ladder while it fails there
+        i = best_i
+        while True:
+            best.held = self.evaluate(best.plan, factors, self.held, self.ref_held)
+            if not budget.failures(best.held) or i >= last:
+                best.ok = not budget.failures(best.held)
+                if best.ok and int4 and i > len(order):
+                    best = self.int4_back(best, order, i - len(order), plan, factors, mode)
+                return best, ranking
+            i += 1
+            prev_calib = best.calib
+            best = outcome(i)
+            best.calib = prev_calib
+            self.note(f"{mode}: budget held on calibration but not on held-back feeds; "
+                       f"{len(best.floats)} layers float, {len(best.int8)} int8")
+
+    def int4_back(self, best: _Outcome, order: list[str], j: int, plan: dict[str, QConfig],
+                  factors: dict[str, np.ndarray], mode: str) -> _Outcome:
+        """int4 with ``j`` layers float and the rest int8 meets the budget: give the least sensitive of
+        those int8 layers back to int4 (binary search on how many stay int8, confirmed on held-back feeds)."""
+        budget, macs, total = self.budget, self.macs, self.total_macs
+        rest = order[j:]
+
+        def cand(k: int) -> _Outcome:
+            floats, int8 = order[:j], rest[:k]
+            p = {key: v for key, v in plan.items() if key not in floats}
+            p.update({key: QConfig("dynamic") for key in int8})
+            return _Outcome(mode, p, factors, floats, int8=int8,
+                            float_macs=(total - sum(macs[key] for key in p)) / total)
+
+        lo, hi, found = 0, len(rest) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            c = cand(mid)
+            c.calib = self.evaluate(c.plan, factors, self.calib, self.ref_calib)
+            if not budget.failures(c.calib):
+                found, hi = c, mid - 1
+            else:
+                lo = mid + 1
+        if found is None:
+            return best
+        found.held = self.evaluate(found.plan, factors, self.held, self.ref_held)
+        if budget.failures(found.held):
+            return best
+        found.ok = True
+        self.note(f"{mode}: {len(rest) - len(found.int8)} of the int8 layers back to int4")
+        return found
+
+    def sensitivity(self, keys: list[str], plan: dict[str, QConfig], factors: dict[str, np.ndarray]) -> list[str]:
+        """Layer keys, most sensitive first."""
+        if self.opts.sensitivity == "local":
+            ranking = self.local_sensitivity(keys, plan)
+            if ranking is not None:
+                return ranking
+        n = self.opts.sensitivity_feeds if self.opts.sensitivity_feeds > 0 else len(self.calib)
+        feeds, ref = self.calib[:n], self.ref_calib[:n]
+        err = {}
+        for k in keys:
+            c = self.evaluate({k: plan[k]}, factors, feeds, ref)
+            err[k] = (1.0 - c.worst("cosine")) + 0.25 * (1.0 - c.worst("cosine_min"))
+        return sorted(keys, key=lambda k: -err[k])
+
+    def local_sensitivity(self, keys: list[str], plan: dict[str, QConfig]) -> list[str] | None:
+        """Rank layers by their own relative output error on the sampled calibration rows (no sessions).
+
+        Each layer's error: the layer quantized as planned (its smoothing included) on its float inputs,
+        ``|x W - q(x) q(W)|^2 / |x W|^2``. None when a layer has no sampled rows (then the ``model``
+        ranking runs).
+        """
+        stats = self.stats
+        targets = {t.key: t for t in self.targets}
+        err = {}
+        for k in keys:
+            t, cfg = targets.get(k), plan[k]
+            st = stats.get(t.act.name) if t is not None and t.act is not None else None
+            if st is None or st.rows is None or cfg.mode not in ("dynamic", "static"):
+                return None
+            s = cfg.smooth
+            act = cfg.act_range if cfg.mode == "static" else None
+            err[k] = smooth_mod.local_error(st.rows, t.weight_array, s, act, cfg.act_type)
+        return sorted(keys, key=lambda k: -err[k])
+
+
 def quantize_model(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]], *, budget: str | None = None,
                    provider: str = "cpu", **options) -> tuple[ir.Model, list[str]]:
     """Convenience: quantize ``model`` in place with the first half of ``feeds`` for calibration."""
-    from graphopt.registry import PassContext
 
-    p = QuantizePass(**options)
-    feeds = list(feeds)
-    k = max(1, len(feeds) // 2)
-    p.context = PassContext(provider=provider, feeds=feeds[k:] or feeds, calib_feeds=feeds[:k],
-                            budget=parse_budget(budget) if budget else None)
-    p(model)
-    return model, p.context.notes
+    calib, held = split_feeds(list(feeds))
+    ctx = PassContext(provider=provider, feeds=held, calib_feeds=calib,
+                      budget=parse_budget(budget) if budget else None)
+    return model, QuantizePass(**options)(model, ctx).notes
 
 
 register(QuantizePass)

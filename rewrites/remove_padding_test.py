@@ -204,18 +204,16 @@ def _feed(lengths, seq=None, *, left=False, position_ids=False, mask=True, seed=
     return feed
 
 
-def _apply(model: ir.Model, **options):
-    p = registry.create("remove-padding", options)
-    result = p(model)
-    return result, p
+def _apply(model: ir.Model, **options) -> registry.PassResult:
+    return registry.create("remove-padding", options)(model)
 
 
 def _check_exact(model_factory, feeds, atol=1e-5, **options):
     ref_model = model_factory()
     ref = run(make_session(ref_model, optimize=False), feeds)
     model = model_factory()
-    result, p = _apply(model, **options)
-    assert result.modified, p.context.notes
+    result = _apply(model, **options)
+    assert result.modified, result.notes
     got = run(make_session(result.model, optimize=False), feeds)
     return got, ref, compare(got, ref, feeds, atol=atol, rtol=atol), result.model
 
@@ -290,7 +288,7 @@ def test_fused_embed_and_attention(mask_layout):
 
 def test_token_wise_ops_run_packed():
     model = _encoder()
-    result, p = _apply(model)
+    result = _apply(model)
     packed = collections.Counter(n.op_type for n in result.model.graph if n.outputs[0].name.endswith("_packed"))
     assert {"Gather", "Add", "LayerNormalization", "MatMul", "Erf"} <= set(packed)
     assert packed["MatMul"] == 6, packed  # Q, K, V, output projection (after attention), FFN x2
@@ -313,8 +311,8 @@ def test_position_ids_input_and_opset20_gelu():
 def test_packed_output():
     feed = _feed([5, 0, 2, 7], left=True)
     ref = run(make_session(_encoder(), optimize=False), [feed])[0]["last_hidden_state"]
-    result, p = _apply(_encoder(), packed_output=True)
-    assert result.modified, p.context.notes
+    result = _apply(_encoder(), packed_output=True)
+    assert result.modified, result.notes
     out = run(make_session(result.model, optimize=False), [feed])[0]["last_hidden_state"]
     m = feed["attention_mask"].astype(bool)
     assert out.shape == (int(m.sum()), H)
@@ -332,17 +330,17 @@ def test_refusals(kind, reason):
              "cls": lambda: _encoder(pool="cls"),
              "unmasked_softmax": lambda: _encoder(mask_in_softmax=False)}[kind]()
     before = ir.serde.serialize_model(model).SerializeToString()
-    result, p = _apply(model)
+    result = _apply(model)
     assert not result.modified
-    assert any(reason in n for n in p.context.notes), p.context.notes
+    assert any(reason in n for n in result.notes), result.notes
     assert ir.serde.serialize_model(result.model).SerializeToString() == before, "refusal leaves the graph as it was"
 
 
 def test_second_run_refuses():
     model = _encoder()
-    assert _apply(model)[0].modified
-    result, p = _apply(model)
-    assert not result.modified and any("packed already" in n for n in p.context.notes), p.context.notes
+    assert _apply(model).modified
+    result = _apply(model)
+    assert not result.modified and any("packed already" in n for n in result.notes), result.notes
 
 
 def test_registered_with_options():
@@ -359,10 +357,8 @@ def test_registered_with_options():
 ALL_FEEDS = ["right", "left", "no_padding", "batch1", "all_padding_row", "holes", "all_padding_batch"]
 
 
-def _apply_cuda(model: ir.Model, **options):
-    p = registry.create("remove-padding", options)
-    p.context = registry.PassContext(provider="cuda")
-    return p(model), p
+def _apply_cuda(model: ir.Model, **options) -> registry.PassResult:
+    return registry.create("remove-padding", options)(model, registry.PassContext(provider="cuda"))
 
 
 def _ms_ops(model: ir.Model) -> collections.Counter:
@@ -380,13 +376,13 @@ def test_cuda_packed_attention_exact_via_standin(kind, groups):
     factory = {"mha_kpm": lambda: _encoder(mha="kpm"), "fused_raw": lambda: _fused_encoder("raw")}[kind]
     feeds = [FEEDS[k] for k in ALL_FEEDS]
     ref = run(make_session(factory(), optimize=False), feeds)
-    result, p = _apply_cuda(factory(), attention_groups=groups)
-    assert result.modified, p.context.notes
+    result = _apply_cuda(factory(), attention_groups=groups)
+    assert result.modified, result.notes
     ops = _ms_ops(result.model)
     assert ops["PackedMultiHeadAttention"] == 1 and ops["MultiHeadAttention"] == 0 and ops["Attention"] == 0, ops
     assert not any(n.op_type == "TopK" for n in result.model.graph), "no length groups are built"
-    assert p.context.rule_counts["packed_attention"] == 1 and "grouped_attention" not in p.context.rule_counts
-    assert any("CUDA only" in n for n in p.context.notes), p.context.notes
+    assert result.rule_counts["packed_attention"] == 1 and "grouped_attention" not in result.rule_counts
+    assert any("CUDA only" in n for n in result.notes), result.notes
     runnable, replaced = cpu_runnable(result.model)
     assert replaced == ["PackedMultiHeadAttention"] and _ms_ops(runnable)["PackedMultiHeadAttention"] == 0
     assert _ms_ops(result.model)["PackedMultiHeadAttention"] == 1, "the stand-in works on a copy"
@@ -403,7 +399,7 @@ def test_cuda_packing_index_values():
     tokens are one right-aligned sequence of the [B+1, L] layout; the scratch row is sequence B (length 1)."""
     from graphopt.standins import cpu_runnable
 
-    result, _ = _apply_cuda(_encoder(mha="kpm"))
+    result = _apply_cuda(_encoder(mha="kpm"))
     runnable, _ = cpu_runnable(result.model)
     values = {v.name: v for node in runnable.graph for v in node.outputs}
     runnable.graph.outputs.extend([values["packing_token_offset"], values["packing_cumulative_sequence_length"]])
@@ -430,25 +426,25 @@ def test_cuda_falls_back_to_groups(mha, reason):
     (MultiHeadAttention per length group) on CUDA too, says why, and stays exact."""
     feeds = [FEEDS[k] for k in ALL_FEEDS]
     ref = run(make_session(_encoder(mha=mha), optimize=False), feeds)
-    result, p = _apply_cuda(_encoder(mha=mha))
-    assert result.modified, p.context.notes
+    result = _apply_cuda(_encoder(mha=mha))
+    assert result.modified, result.notes
     ops = _ms_ops(result.model)
     assert ops["PackedMultiHeadAttention"] == 0 and ops["MultiHeadAttention"] == 8, ops
-    assert any("not PackedMultiHeadAttention" in n and reason in n for n in p.context.notes), p.context.notes
+    assert any("not PackedMultiHeadAttention" in n and reason in n for n in result.notes), result.notes
     got = run(make_session(result.model, optimize=False), feeds)  # runs on CPU as it is
     assert compare(got, ref, feeds).worst("max_abs") <= 1e-5
 
 
 def test_cuda_packed_attention_off():
-    result, p = _apply_cuda(_encoder(mha="kpm"), packed_attention=False)
+    result = _apply_cuda(_encoder(mha="kpm"), packed_attention=False)
     ops = _ms_ops(result.model)
     assert ops["PackedMultiHeadAttention"] == 0 and ops["MultiHeadAttention"] == 8, ops
 
 
 def test_cpu_provider_never_emits_packed_attention():
-    result, p = _apply(_encoder(mha="kpm"))
+    result = _apply(_encoder(mha="kpm"))
     assert _ms_ops(result.model)["PackedMultiHeadAttention"] == 0
-    assert not any("PackedMultiHeadAttention" in n for n in p.context.notes), p.context.notes
+    assert not any("PackedMultiHeadAttention" in n for n in result.notes), result.notes
 
 
 def test_cuda_pipeline_verifies_through_standin():
@@ -570,7 +566,7 @@ def test_cuda_index_drives_the_unfused_kernel():
     sequence length 256 always runs it) would compute what the CPU stand-in computes."""
     from graphopt.standins import cpu_runnable
 
-    result, _ = _apply_cuda(_fused_encoder("raw"))
+    result = _apply_cuda(_fused_encoder("raw"))
     model = result.model
     node = next(n for n in model.graph if n.op_type == "PackedMultiHeadAttention")
     for i, x in enumerate(node.inputs):
@@ -608,7 +604,7 @@ def test_cuda_kernel_on_gpu():
         pytest.skip(f"no CUDA here ({why}); the CPU stand-in is checked by the tests above, the kernel by "
                     "tools/cuda_checks.py on a GPU")
     feeds = [FEEDS[k] for k in ("right", "left", "no_padding", "batch1", "holes")]
-    result, _ = _apply_cuda(_fused_encoder("raw"))
+    result = _apply_cuda(_fused_encoder("raw"))
     sess = make_session(result.model, provider="cuda", optimize=True)
     if "CUDAExecutionProvider" not in sess.get_providers():
         pytest.skip("the CUDA provider did not initialise")
@@ -630,41 +626,37 @@ def _minilm_feeds():
     return feeds
 
 
+MINILM_EXPORTS = [("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa")]
+
+
+def _minilm_exact(path, model: ir.Model) -> ir.Model:
+    """remove-padding on ``model`` (from the export at ``path``) is exact on real tokens; the result."""
+    feeds = _minilm_feeds()
+    ref = run(make_session(path, optimize=False), feeds)
+    result = _apply(model)
+    assert result.modified, result.notes
+    got = run(make_session(result.model), feeds)
+    cmp = compare(got, ref, feeds)
+    assert cmp.worst("max_abs") <= 1e-4, cmp.summary()
+    return result.model
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("exporter,attn", [
-    ("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa"),
-])
+@pytest.mark.parametrize("exporter,attn", MINILM_EXPORTS)
 def test_minilm_unfused(minilm, exporter, attn):
     path = minilm(exporter, attn)
-    feeds = _minilm_feeds()
-    ref = run(make_session(path, optimize=False), feeds)
-    result, p = _apply(ir.load(path))
-    assert result.modified, p.context.notes
-    got = run(make_session(result.model), feeds)
-    cmp = compare(got, ref, feeds)
-    assert cmp.worst("max_abs") <= 1e-4, cmp.summary()
+    _minilm_exact(path, ir.load(path))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exporter,attn", [
-    ("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa"),
-])
+@pytest.mark.parametrize("exporter,attn", MINILM_EXPORTS)
 def test_minilm_fused(minilm, exporter, attn):
-    if "fuse" not in registry.all_passes(include_hidden=True):
-        pytest.skip("the fuse pass does not exist yet")
     path = minilm(exporter, attn)
-    feeds = _minilm_feeds()
-    ref = run(make_session(path, optimize=False), feeds)
     model = ir.load(path)
     registry.create("fuse")(model)
-    result, p = _apply(model)
-    assert result.modified, p.context.notes
-    ops = collections.Counter(n.op_type for n in result.model.graph)
+    ops = collections.Counter(n.op_type for n in _minilm_exact(path, model).graph)
     assert ops["EmbedLayerNormalization"] == 0 and ops["Attention"] == 0, ops
     assert ops["MultiHeadAttention"] == 6 * 8, ops  # 6 layers x 8 length groups
-    got = run(make_session(result.model), feeds)
-    cmp = compare(got, ref, feeds)
-    assert cmp.worst("max_abs") <= 1e-4, cmp.summary()
 
 
 @pytest.mark.slow
@@ -697,11 +689,9 @@ def test_minilm_fused_cuda_variant(minilm, exporter, attn):
         feeds.append(f)
     ref = run(make_session(path, optimize=False), feeds)
     model = ir.load(path)
-    fuse = registry.create("fuse")
-    fuse.context = registry.PassContext(provider="cuda")  # what `optimize --provider cuda` runs
-    fuse(model)
-    result, p = _apply_cuda(model)
-    assert result.modified, p.context.notes
+    registry.create("fuse")(model, registry.PassContext(provider="cuda"))  # what `optimize --provider cuda` runs
+    result = _apply_cuda(model)
+    assert result.modified, result.notes
     ops = collections.Counter(n.op_type for n in result.model.graph)
     assert ops["PackedMultiHeadAttention"] == 6 and ops["MultiHeadAttention"] == 0, ops
     assert ops["Attention"] == 0 and ops["EmbedLayerNormalization"] == 0, ops

@@ -105,3 +105,106 @@ def test_optimize_minilm_default_recipe(run_cli, minilm, tmp_path):
     m = onnx.load(str(out))
     tags = {p.value for n in m.graph.node for p in n.metadata_props if p.key == "graphopt.pass"}
     assert tags <= {p["name"] for p in rep["passes"]}
+
+
+def test_verify_cli_is_compare_models(run_cli, tmp_path, mlp_path, monkeypatch):
+    """`graphopt verify` prints what graphopt.verify.compare_models returns (no feed loading or
+    comparison of its own)."""
+    from graphopt import verify
+
+    other = tmp_path / "other.onnx"
+    make_mlp(other, seed=1)
+    res = verify.compare_models(mlp_path, other, budget=["cosine>=-1"])
+    assert res.ok and res.failures == [] and str(res.budget) and res.feeds
+    res = verify.compare_models(mlp_path, other)
+    assert not res.ok and res.failures == ["outputs differ beyond atol 0.0001 + rtol 0.0001*|ref|"]
+    code, out, _ = run_cli("verify", mlp_path, other, "--json")
+    assert code == 3 and json.loads(out) == json.loads(json.dumps(res.as_dict(), default=str))
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return res
+
+    monkeypatch.setattr(verify, "compare_models", spy)
+    code, _, _ = run_cli("verify", mlp_path, other, "--atol", "0.5", "--provider", "cpu", "--json")
+    assert code == 3 and len(calls) == 1
+    assert calls[0][0] == (mlp_path, other) and calls[0][1]["atol"] == 0.5 and calls[0][1]["provider"] == "cpu"
+
+
+def test_compare_models_reports_missing_outputs(tmp_path, mlp_path):
+    import onnx_ir as ir
+
+    from graphopt import io, verify
+
+    b = io.load(mlp_path)
+    out = b.graph.outputs[0]
+    extra = ir.node("Identity", [out], num_outputs=1)
+    extra.outputs[0].name = "extra"
+    b.graph.append(extra)
+    b.graph.outputs[:] = [extra.outputs[0]]  # B renames its output: A's is missing from B
+    res = verify.compare_models(io.load(mlp_path), b)
+    assert not res.ok and res.failures == [f"outputs missing from B: {out.name}"]
+    assert res.as_dict()["ok"] is False
+
+
+def test_provider_is_a_choice_everywhere(run_cli, mlp_path, tmp_path):
+    from graphopt.runtime import PROVIDERS, Provider
+
+    assert Provider.CUDA == "cuda" and str(Provider.CPU) == "cpu"
+    assert "cpu" in PROVIDERS and PROVIDERS["cuda"] == "CUDAExecutionProvider" and " or ".join(PROVIDERS) == "cpu or cuda"
+    for cmd in (["optimize", mlp_path, "-o", tmp_path / "o.onnx"], ["verify", mlp_path, mlp_path],
+                ["bench", mlp_path, "--rounds", "1"]):
+        code, _, err = run_cli(*cmd, "--provider", "tpu")
+        assert code == 2 and "'tpu' is not one of 'cpu', 'cuda'" in " ".join(err.split()), err
+        code, out, _ = run_cli(cmd[0], "--help")
+        assert code == 0 and "[cpu|cuda]" in out.replace("<", "[").replace(">", "]"), out
+    code, out, _ = run_cli("verify", mlp_path, mlp_path, "--provider", "CPU", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+
+
+def test_usage_errors_exit_2_not_internal_error(run_cli, mlp_path):
+    """typer 0.2x raises its vendored click's usage errors; they are usage errors (exit 2), not crashes."""
+    for args in (["verify", mlp_path], ["inspect", mlp_path, "--no-such-option"], ["bench", mlp_path, "--rounds", "x"]):
+        code, _, err = run_cli(*args)
+        assert code == 2 and "Error:" in err and "internal error" not in err, err
+
+
+def test_json_is_a_flag_in_every_command(run_cli):
+    """--json means "print JSON on stdout" in every command that has it; files go through --report."""
+    import typer.main
+
+    from graphopt.cli.main import app
+
+    group = typer.main.get_command(app)
+    with_json = []
+    for name, cmd in group.commands.items():
+        for p in cmd.params:
+            if "--json" in getattr(p, "opts", ()):
+                assert p.is_flag, name
+                with_json.append(name)
+            if "--report" in getattr(p, "opts", ()):
+                assert not p.is_flag and p.metavar == "FILE", name
+    assert {"passes", "inspect", "verify", "bench", "export", "diff"} <= set(with_json)
+
+
+def test_optimize_failure_goes_through_the_common_handler(run_cli, mlp_path, tmp_path, monkeypatch):
+    from graphopt import io, pipeline
+    from graphopt.report import PassRecord, Report
+
+    def failing(model, *args, **kwargs):
+        rec = PassRecord(name="fuse", status="rolled-back", error="verification failed: max_abs 0.5")
+        return pipeline.Result(io.load(model), Report(input=str(model), passes=[rec], ok=False))
+
+    monkeypatch.setattr(pipeline, "optimize", failing)
+    out = tmp_path / "o.onnx"
+    code, _, err = run_cli("optimize", mlp_path, "-o", out, "-q")
+    assert code == 3 and not out.exists()
+    assert err.strip().splitlines() == [
+        "error: pass 'fuse' rolled-back: verification failed: max_abs 0.5",
+        "hint: no output written; without --strict the model is written without that pass, --debug-dir saves "
+        "the before/after pair",
+    ]
+    code, _, err = run_cli("--debug", "optimize", mlp_path, "-o", out, "-q")
+    assert code == 3 and "VerificationError" in err  # raised, not printed by the command

@@ -91,6 +91,33 @@ def test_layernorm_fusion_regions(rename_outputs):
     assert names_b["mm2"]["status"] == names_b["mm3"]["status"] == "unchanged"
 
 
+def test_regions_hold_typed_node_ids():
+    """Matching and regions work on NodeId(side, index); the JSON ids are their "a12" / "b7" form."""
+    from graphopt.diff.matching import NodeId, Side, match_graphs
+    from graphopt.diff.regions import find_regions
+
+    a, b = _ir(dm.mlp_ln()), _ir(dm.mlp_ln(fused=True))
+    m = match_graphs(a.graph, b.graph)
+    regions = find_regions(m)
+    assert len(regions) == 2
+    for region in regions:
+        assert all(isinstance(n, NodeId) and n.side is Side.A for n in region.a_nodes)
+        assert all(isinstance(n, NodeId) and n.side is Side.B for n in region.b_nodes)
+        assert [m.node(n).op_type for n in region.b_nodes] == ["LayerNormalization"]
+        d = region.as_dict()
+        assert d["a_nodes"] == [f"a{n.index}" for n in region.a_nodes]
+        assert d["b_nodes"] == [f"b{n.index}" for n in region.b_nodes]
+    assert str(NodeId(Side.B, 7)) == "b7" and NodeId(Side.A, 3) != NodeId(Side.B, 3)
+    # the JSON records are in graph order, so the id's index names the node
+    r = diff_models(a, b)
+    for side in Side:
+        nodes = m.nodes(side)
+        for k, rec in enumerate(r.graphs[side.value]):
+            assert rec["id"] == str(NodeId(side, k)) and rec["name"] == (nodes[k].name or "")
+    for pair in r.modified + [{"a": n["id"], "b": n["match"]} for n in r.graphs["a"] if n["match"]]:
+        assert pair["a"].startswith("a") and pair["b"].startswith("b")
+
+
 def test_fusion_is_numerically_clean():
     r = diff_models(_ir(dm.mlp_ln()), _ir(dm.mlp_ln(fused=True)), numeric=True)
     n = r.numeric
@@ -164,9 +191,10 @@ def test_mapping_and_html_are_self_contained():
 
 def test_cli_outputs_and_exit_codes(files, tmp_path, run_cli):
     j, h, mp = tmp_path / "d.json", tmp_path / "d.html", tmp_path / "m.json"
-    code, out, err = run_cli("diff", files["a"], files["b"], "--json", j, "--html", h, "--mapping", mp)
+    code, out, err = run_cli("diff", files["a"], files["b"], "--report", j, "--html", h, "--mapping", mp)
     assert code == 0, err
     assert "2 regions" in out and "fuse" in out and "LayerNormalization" in out
+    assert f"JSON written to {j}" in out
     assert json.loads(j.read_text())["summary"]["regions"] == 2
     assert h.read_text().startswith("<!DOCTYPE html>")
     assert json.loads(mp.read_text())["mappingEntries"]
@@ -178,8 +206,21 @@ def test_cli_outputs_and_exit_codes(files, tmp_path, run_cli):
     assert code == 3
     code, _, _ = run_cli("diff", files["a"], files["b"], "--numeric", "--fail-on-drift")
     assert code == 0
-    code, out, _ = run_cli("diff", files["a"], files["b"], "--json", "-")
+    code, out, _ = run_cli("diff", files["a"], files["b"], "--json")
     assert code == 0 and json.loads(out)["schema_version"] == SCHEMA_VERSION
+
+
+def test_cli_json_is_a_flag_and_report_a_file(files, tmp_path, run_cli):
+    """--json prints the JSON diff (and nothing else) on stdout; --report FILE writes the same JSON."""
+    j, h = tmp_path / "d.json", tmp_path / "d.html"
+    code, out, err = run_cli("diff", files["a"], files["b"], "--json", "--report", j, "--html", h)
+    assert code == 0, err
+    assert json.loads(out) == json.loads(j.read_text())  # stdout is the JSON alone: no table, no "written to"
+    assert json.loads(out)["summary"]["regions"] == 2 and h.exists()
+    code, _, err = run_cli("diff", files["a"], files["b"], "--json", tmp_path / "old.json")
+    assert code == 2 and "old.json" in err and not (tmp_path / "old.json").exists()
+    code, out, _ = run_cli("diff", files["a"], files["b"], "--report", j, "-q")
+    assert code == 0 and out == "" and json.loads(j.read_text())["summary"]["regions"] == 2
 
 
 def test_cli_errors(files, tmp_path, run_cli):
@@ -203,7 +244,7 @@ def test_calib_feeds(files, tmp_path, run_cli):
     rng = np.random.default_rng(0)
     save_dir([{"x": rng.standard_normal((1, 3, dm.H)).astype(np.float32)}], tmp_path / "calib")
     j = tmp_path / "n.json"
-    code, _, err = run_cli("diff", files["a"], files["c"], "--numeric", "--calib", tmp_path / "calib", "--json", j)
+    code, _, err = run_cli("diff", files["a"], files["c"], "--numeric", "--calib", tmp_path / "calib", "--report", j)
     assert code == 0, err
     d = json.loads(j.read_text())
     assert d["numeric"]["feeds"] == 1 and d["numeric"]["first_divergence"]["node_name"] == "mm2"

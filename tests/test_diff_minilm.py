@@ -62,21 +62,15 @@ def test_minilm_onnxscript_fusions(minilm):
 
 def test_minilm_fuse_pass(minilm, tmp_path):
     """The real `fuse` pass through the pipeline (which writes the graphopt.pass tags)."""
-    from graphopt import pipeline, registry
+    from graphopt import pipeline
 
-    try:
-        registry.create("fuse", {})
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"the fuse pass is not available: {e}")
     path = minilm("dynamo", "sdpa")
     res = pipeline.optimize(path, passes="fuse", verify_level="structure")
-    if not getattr(res, "ok", True):
-        pytest.skip("the fuse pass failed on MiniLM (see its own tests)")
+    # a fuse pass that fails or fuses nothing is a regression, not a reason to skip
+    assert res.ok, [(p.name, p.status, p.error) for p in res.report.failed()]
     out = io.save(res.model, tmp_path / "fused.onnx")
     r = diff_models(path, out, numeric=True)
-    if not any(n > 0 for op, n in r.op_histogram["delta"].items() if op in FUSED):
-        pytest.skip("the fuse pass fused nothing on MiniLM yet")
-    per_op = _check_regions(r, "fuse")
+    per_op = _check_regions(r, "fuse")  # asserts that something was fused
     embed = per_op.pop("com.microsoft::EmbedLayerNormalization", 0)
     assert embed <= 1
     # CPU (the pipeline's default provider): each residual LayerNorm is one Sum + LayerNormalization region

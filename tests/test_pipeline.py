@@ -11,35 +11,33 @@ import pytest
 
 from graphopt import PASS_TAG, io, pipeline, recipe, registry
 from graphopt.errors import UsageError
-from graphopt.registry import GraphoptPass, register
+from graphopt.registry import GraphoptPass, PassResult
 
 
 class CorruptWeight(GraphoptPass):
     """Test-only: scales the first float initializer by 1.5 (a silent numeric bug)."""
 
     name = "test-corrupt-weight"
-    hidden = True
 
     def __init__(self, *, factor: float = 1.5):
         super().__init__()
         self.factor = factor
 
-    def call(self, model):
+    def call(self, model, ctx):
         for v in model.graph.initializers.values():
             t = v.const_value
             if t is not None and t.dtype == ir.DataType.FLOAT and t.size > 1:
                 v.const_value = ir.tensor(t.numpy() * self.factor, name=v.name)
-                return ir.passes.PassResult(model, True)
-        return ir.passes.PassResult(model, False)
+                return PassResult(model, True)
+        return PassResult(model, False)
 
 
 class AddNoOp(GraphoptPass):
     """Test-only: routes the first output through a new Identity node (lossless)."""
 
     name = "test-add-noop"
-    hidden = True
 
-    def call(self, model):
+    def call(self, model, ctx):
         g = model.graph
         out = g.outputs[0]
         node = ir.node("Identity", [out], num_outputs=1)
@@ -50,28 +48,55 @@ class AddNoOp(GraphoptPass):
         new.name = name
         new.shape, new.dtype = out.shape, out.dtype
         g.outputs[0] = new
-        return ir.passes.PassResult(model, True)
+        return PassResult(model, True)
 
 
 class Crashes(GraphoptPass):
     """Test-only: raises."""
 
     name = "test-crash"
-    hidden = True
 
-    def call(self, model):
+    def call(self, model, ctx):
         raise RuntimeError("boom")
 
 
-for _cls in (CorruptWeight, AddNoOp, Crashes):
-    register(_cls)
+class KeepsState(GraphoptPass):
+    """Test-only: breaks the protocol by writing on itself during call()."""
+
+    name = "test-keeps-state"
+
+    def call(self, model, ctx):
+        self.seen = model.graph.name
+        return PassResult(model, False)
 
 
-def test_corrupt_pass_rolled_back_exit_3(run_cli, mlp_path, tmp_path):
+@pytest.fixture(autouse=True)
+def _test_passes():
+    """The test passes live in a local registry, active only inside each test of this module."""
+    local = registry.with_builtins(CorruptWeight, AddNoOp, Crashes, KeepsState, NudgeWeights)
+    with registry.using(local):
+        yield local
+
+
+def test_lossless_pass_failing_is_rolled_back_and_the_run_goes_on(run_cli, mlp_path, tmp_path):
+    out = tmp_path / "out.onnx"
+    code, _, stderr = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-corrupt-weight,cleanup",
+                              "--report", tmp_path / "r.json", "-q")
+    assert code == 0 and out.exists()
+    assert "warning: pass 'test-corrupt-weight' rolled-back" in stderr and "--strict" in stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert [p["status"] for p in rep["passes"]] == ["rolled-back", "ok"] and rep["ok"]
+    assert any("went on without" in n for n in rep["passes"][0]["notes"])
+    w = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(out)).graph.initializer}["w1"]
+    w_ref = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(mlp_path)).graph.initializer}["w1"]
+    np.testing.assert_array_equal(w, w_ref)  # written without the corrupting pass
+
+
+def test_strict_fails_on_a_rolled_back_lossless_pass(run_cli, mlp_path, tmp_path):
     out = tmp_path / "out.onnx"
     before = mlp_path.read_bytes()
     code, stdout, stderr = run_cli("optimize", mlp_path, "-o", out, "--passes", "cleanup,test-corrupt-weight",
-                                   "--report", tmp_path / "r.json")
+                                   "--report", tmp_path / "r.json", "--strict")
     assert code == 3
     assert not out.exists()
     assert mlp_path.read_bytes() == before
@@ -85,7 +110,10 @@ def test_corrupt_pass_rolled_back_exit_3(run_cli, mlp_path, tmp_path):
 
 def test_keep_going_writes_last_good_model(run_cli, mlp_path, tmp_path):
     out = tmp_path / "out.onnx"
-    code, _, _ = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-corrupt-weight,cleanup", "--keep-going", "-q")
+    args = ("optimize", mlp_path, "-o", out, "--passes", "test-nudge,cleanup", "--set", "test-nudge.eps=0.5", "-q")
+    code, _, err = run_cli(*args)
+    assert code == 3 and not out.exists() and "--keep-going" in err  # a lossy pass over budget stops the run
+    code, _, _ = run_cli(*args, "--keep-going")
     assert code == 0
     ref = onnx.load(str(mlp_path))
     got = onnx.load(str(out))
@@ -97,17 +125,62 @@ def test_keep_going_writes_last_good_model(run_cli, mlp_path, tmp_path):
 def test_debug_dir_saves_pair(run_cli, mlp_path, tmp_path):
     dbg = tmp_path / "dbg"
     code, _, _ = run_cli("optimize", mlp_path, "-o", tmp_path / "o.onnx", "--passes", "test-corrupt-weight",
-                         "--debug-dir", dbg, "-q")
+                         "--debug-dir", dbg, "-q", "--strict")
     assert code == 3
     names = sorted(p.name for p in dbg.iterdir())
     assert names == ["00-test-corrupt-weight.after.onnx", "00-test-corrupt-weight.before.onnx"]
 
 
 def test_crashing_pass_reported_not_raised(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="test-crash")
-    assert not res.ok
-    assert res.report.passes[0].status == "error"
+    res = pipeline.optimize(mlp_path, passes="test-crash,cleanup")
+    assert res.ok  # lossless: rolled back, the recipe went on
+    assert [p.status for p in res.report.passes] == ["error", "ok"]
     assert "boom" in res.report.passes[0].error
+    res = pipeline.optimize(mlp_path, passes="test-crash,cleanup", strict=True)
+    assert not res.ok and [p.status for p in res.report.passes] == ["error"]
+
+
+def test_a_pass_that_keeps_state_breaks_the_protocol(mlp_path):
+    res = pipeline.optimize(mlp_path, passes="test-keeps-state", strict=True)
+    assert not res.ok
+    assert "wrote seen on itself" in res.report.passes[0].error
+
+
+def test_pass_is_built_once(mlp_path, monkeypatch):
+    built = []
+    orig = CorruptWeight.__init__
+
+    def counting(self, **kw):
+        built.append(kw)
+        orig(self, **kw)
+
+    monkeypatch.setattr(CorruptWeight, "__init__", counting)
+    pipeline.optimize(mlp_path, passes="test-corrupt-weight")
+    assert len(built) == 1
+
+
+def test_no_test_pass_is_visible_to_graphopt_passes(run_cli):
+    with registry.using(registry.builtin()):
+        code, out, _ = run_cli("passes", "--json")
+    assert code == 0
+    names = [p["name"] for p in json.loads(out)]
+    assert {"cleanup", "fuse", "remove-padding", "quantize"} <= set(names)
+    assert not [n for n in names if n.startswith("test-")]
+
+
+def test_a_builtin_module_failing_to_import_is_named(monkeypatch, run_cli):
+    import sys
+
+    monkeypatch.setattr(registry, "_BUILTIN", None)
+    monkeypatch.setattr(registry, "BUILTIN_MODULES", (*registry.BUILTIN_MODULES, "broken"))
+    monkeypatch.setitem(sys.modules, "graphopt.rewrites.broken", None)  # import raises ImportError
+    for _ in range(2):  # and stays failing: no half-filled registry afterwards
+        with pytest.raises(registry.PassLoadError, match=r"graphopt\.rewrites\.broken"):
+            registry.builtin()
+    with registry.using(None):
+        code, _, err = run_cli("passes")
+    assert code == 1 and "cannot load the builtin pass module graphopt.rewrites.broken" in err
+    assert "Traceback" not in err
 
 
 def test_new_nodes_tagged_with_pass_name(mlp_path):
@@ -165,13 +238,12 @@ def test_recipe_order_needs_checked(tmp_path):
         """Test-only: must run after cleanup."""
 
         name = "test-late"
-        hidden = True
         run_after = ("cleanup",)
 
-        def call(self, model):
-            return ir.passes.PassResult(model, False)
+        def call(self, model, ctx):
+            return PassResult(model, False)
 
-    register(Late)
+    registry.current().add(Late)  # the module's local registry (see _test_passes)
     with pytest.raises(UsageError, match="must run after 'cleanup'"):
         recipe.from_pass_list("test-late,cleanup").validate()
     recipe.from_pass_list("cleanup,test-late").validate()
@@ -179,7 +251,7 @@ def test_recipe_order_needs_checked(tmp_path):
 
 def test_default_recipe_has_every_lossless_pass():
     names = set(recipe.default().pass_names())
-    lossless = {n for n, c in registry.all_passes().items() if c.exact}
+    lossless = {n for n, c in registry.builtin().all().items() if c.exact}
     assert lossless <= names, f"default recipe misses {sorted(lossless - names)}"
     assert all(registry.get(n).exact for n in names)
 
@@ -226,7 +298,6 @@ class NudgeWeights(GraphoptPass):
     """Test-only lossy pass: scales every float weight by (1 + eps); gives up above ``give_up``."""
 
     name = "test-nudge"
-    hidden = True
     exact = False
     default_budget = "cosine>=0.999"
 
@@ -235,20 +306,16 @@ class NudgeWeights(GraphoptPass):
         self.eps = eps
         self.give_up = give_up
 
-    def call(self, model):
+    def call(self, model, ctx):
         if self.eps > self.give_up:
-            self.context.budget_met = False
-            return ir.passes.PassResult(model, False)
+            return PassResult(model, False, budget_met=False)
         rng = np.random.default_rng(0)
         for v in model.graph.initializers.values():
             t = v.const_value
             if t is not None and t.dtype == ir.DataType.FLOAT and t.size > 1:
                 noise = 1 + self.eps * rng.standard_normal(t.shape.numpy())
                 v.const_value = ir.tensor((t.numpy() * noise).astype(np.float32), name=v.name)
-        return ir.passes.PassResult(model, True)
-
-
-register(NudgeWeights)
+        return PassResult(model, True)
 
 
 def test_lossy_pass_verified_against_budget(mlp_path):
@@ -268,15 +335,17 @@ def test_lossy_pass_default_budget(mlp_path):
     assert not res.ok  # the pass's own default budget still applies
 
 
-def test_require_budget(run_cli, mlp_path, tmp_path):
+def test_unmet_budget_fails_unless_keep_going(run_cli, mlp_path, tmp_path):
     out = tmp_path / "o.onnx"
-    code, _, _ = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-nudge",
-                         "--set", "test-nudge.eps=0.5", "--set", "test-nudge.give_up=0.1", "-q",
-                         "--report", tmp_path / "r.json")
-    assert code == 0 and out.exists()  # the pass kept the model and said so
+    args = ("optimize", mlp_path, "-o", out, "--passes", "cleanup,test-nudge", "--set", "test-nudge.eps=0.5",
+            "--set", "test-nudge.give_up=0.1", "-q", "--report", tmp_path / "r.json")
+    code, stdout, err = run_cli(*args)
+    assert code == 3 and not out.exists() and stdout == ""
+    assert "error: pass 'test-nudge' budget-not-met" in err and "--keep-going" in err
     rep = json.loads((tmp_path / "r.json").read_text())
-    assert "not met" in rep["passes"][0]["notes"][0]
-    out.unlink()
-    code, _, err = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-nudge", "--require-budget",
-                           "--set", "test-nudge.eps=0.5", "--set", "test-nudge.give_up=0.1", "-q")
-    assert code == 3 and not out.exists() and "budget" in err
+    assert [p["status"] for p in rep["passes"]] == ["ok", "budget-not-met"] and not rep["ok"]
+    code, _, err = run_cli(*args, "--keep-going")
+    assert code == 0 and out.exists()  # the best lossless model, and the report says so
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert any("kept as it was before 'test-nudge'" in n for n in rep["passes"][1]["notes"])
+    assert "warning: pass 'test-nudge' budget-not-met" in err

@@ -37,3 +37,44 @@ def make_mlp(path: Path | None = None, *, opset: int = 17, seed: int = 0) -> onn
     if path is not None:
         onnx.save(m, str(path))
     return m
+
+
+def make_shared_matmuls(*, seed: int = 0, d: int = 8, layernorm: bool = False, opset: int = 17) -> onnx.ModelProto:
+    """One activation ``a`` read by two MatMuls (what the quantize modules look for)::
+
+        x[batch,seq,d] ─[LayerNormalization(gamma, beta)]─ a ─┬─ MatMul(w1[d,16]) ─ Add(b1) ─ Relu ─ y
+                                                               └─ MatMul(w2[d,4]) ─ z
+
+    Channel 0 of ``x`` is scaled by 20 through ``w0`` (an activation outlier, for SmoothQuant).
+    """
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((d, 16)) * 0.3).astype(np.float32), "w1"),
+        numpy_helper.from_array((rng.standard_normal(16) * 0.1).astype(np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((d, 4)) * 0.3).astype(np.float32), "w2"),
+        numpy_helper.from_array(np.array([20.0] + [1.0] * (d - 1), np.float32), "w0"),
+    ]
+    nodes = [helper.make_node("Mul", ["x", "w0"], ["x0"], name="outlier")]
+    if layernorm:
+        inits += [numpy_helper.from_array((1 + rng.standard_normal(d) * 0.1).astype(np.float32), "gamma"),
+                  numpy_helper.from_array((rng.standard_normal(d) * 0.1).astype(np.float32), "beta")]
+        nodes.append(helper.make_node("LayerNormalization", ["x0", "gamma", "beta"], ["a"], name="ln", axis=-1))
+    else:
+        nodes.append(helper.make_node("Identity", ["x0"], ["a"], name="act"))
+    nodes += [
+        helper.make_node("MatMul", ["a", "w1"], ["h0"], name="mm1"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="add1"),
+        helper.make_node("Relu", ["h1"], ["y"], name="relu"),
+        helper.make_node("MatMul", ["a", "w2"], ["z"], name="mm2"),
+    ]
+    g = helper.make_graph(
+        nodes, "shared_matmuls",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 16]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", "seq", 4])],
+        inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], producer_name="graphopt-tests")
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m

@@ -82,11 +82,13 @@ def _fused_ops(src: str) -> str:
     """Contrib ops by count, plus ``fuse``'s CPU residual form (Sum feeding a LayerNormalization)."""
     import onnx
 
+    from graphopt.opsets import MS_DOMAIN
+
     m = onnx.load(src, load_external_data=False)
     counts: dict[str, int] = {}
     sums = {o for n in m.graph.node if n.op_type == "Sum" and n.domain in ("", "ai.onnx") for o in n.output}
     for n in m.graph.node:
-        if n.domain == "com.microsoft":
+        if n.domain == MS_DOMAIN:
             counts[n.op_type] = counts.get(n.op_type, 0) + 1
         elif n.op_type in ("LayerNormalization", "SimplifiedLayerNormalization") and n.input[0] in sums:
             key = f"Sum+{n.op_type}"

@@ -30,6 +30,8 @@ FORMS = ("skip-ln", "add-ln@basic", "add-ln@all", "sum-ln", "skip-simplified", "
 def chain(form: str) -> bytes:
     from onnx import TensorProto, helper, numpy_helper
 
+    from graphopt.opsets import MS_DOMAIN
+
     rng = np.random.default_rng(0)
     nodes, inits, x = [], [], "x"
     for i in range(LAYERS):
@@ -39,10 +41,10 @@ def chain(form: str) -> bytes:
         out = f"o{i}"
         if form == "skip-ln":
             nodes.append(helper.make_node("SkipLayerNormalization", ["y", x, f"g{i}", f"b{i}", f"bias{i}"], [out],
-                                          domain="com.microsoft", epsilon=1e-12))
+                                          domain=MS_DOMAIN, epsilon=1e-12))
         elif form == "skip-simplified":
             nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["y", x, f"g{i}", f"bias{i}"], [out],
-                                          domain="com.microsoft", epsilon=1e-12))
+                                          domain=MS_DOMAIN, epsilon=1e-12))
         elif form.startswith("add-ln"):
             nodes += [helper.make_node("Add", ["y", f"bias{i}"], [f"a{i}"]),
                       helper.make_node("Add", [f"a{i}", x], [f"c{i}"]),
@@ -60,7 +62,7 @@ def chain(form: str) -> bytes:
     graph = helper.make_graph(nodes, form, [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims),
                                             helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)],
                               [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
     return model.SerializeToString()
 
 

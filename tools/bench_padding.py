@@ -42,18 +42,11 @@ logger = logging.getLogger("bench_padding")
 
 
 def model_path(exporter: str, attn: str) -> Path:
-    """The cached MiniLM export (models/minilm.py), else the scratch export folder."""
-    try:
-        sys.path.insert(0, str(ROOT / "models"))
-        import minilm  # type: ignore[import-not-found]
+    """The MiniLM export in the model cache (models/minilm.py exports it there when missing)."""
+    sys.path.insert(0, str(ROOT / "models"))
+    import minilm  # type: ignore[import-not-found]
 
-        return Path(minilm.build(exporter, attn))
-    except Exception as e:  # models/minilm.py missing or cannot export here
-        p = Path("/tmp/minilm_exports") / f"{exporter}_{attn}.onnx"
-        if p.exists():
-            logger.warning("models/minilm.py unavailable (%s); using %s", e, p)
-            return p
-        raise
+    return Path(minilm.build(exporter, attn))
 
 
 def workload(n: int, seed: int) -> tuple[list[np.ndarray], str]:
@@ -96,25 +89,25 @@ def build_variants(src: Path, extra_groups: tuple[int, ...] = ()) -> dict[str, o
     from graphopt import registry
 
     out: dict[str, object] = {"padded": ir.load(src)}
-    have_fuse = "fuse" in registry.all_passes(include_hidden=True)
+    have_fuse = "fuse" in registry.all_passes()
     if have_fuse:
         m = ir.load(src)
         registry.create("fuse")(m)
         out["fused"] = m
     m = ir.load(src)
-    p = registry.create("remove-padding")
-    if p(m).modified:
+    res = registry.create("remove-padding")(m)
+    if res.modified:
         out["rp-unfused"] = m
     else:
-        logger.warning("remove-padding refused the export: %s", p.context.notes)
+        logger.warning("remove-padding refused the export: %s", res.notes)
     if have_fuse:
         m = ir.load(src)
         registry.create("fuse")(m)
-        p = registry.create("remove-padding")
-        if p(m).modified:
+        res = registry.create("remove-padding")(m)
+        if res.modified:
             out["rp-fused"] = m
         else:
-            logger.warning("remove-padding refused the fused model: %s", p.context.notes)
+            logger.warning("remove-padding refused the fused model: %s", res.notes)
         for g in extra_groups:  # other attention layouts, for comparison
             m = ir.load(src)
             registry.create("fuse")(m)

@@ -40,7 +40,6 @@ sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-logger = logging.getLogger(__name__)
 
 
 def _batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
@@ -203,10 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         opts = dict(opts)
         m = io.load(opts.pop("_source", fused))
-        qp = QuantizePass(sensitivity_feeds=1, **opts)
-        qp.context = PassContext(provider="cpu", calib_feeds=calib_part, feeds=confirm, budget=budget)
-        res = qp(m)
-        notes[name] = [f"{time.perf_counter() - t0:.0f}s; modified={res.modified}", *qp.context.notes]
+        ctx = PassContext(provider="cpu", calib_feeds=calib_part, feeds=confirm, budget=budget)
+        res = QuantizePass(sensitivity_feeds=1, **opts)(m, ctx)
+        notes[name] = [f"{time.perf_counter() - t0:.0f}s; modified={res.modified}", *res.notes]
         p = out / (name.replace(" ", "_").replace("(", "").replace(")", "").replace(":", "").replace(",", "")
                    + ".onnx")
         io.save(res.model, p)

@@ -65,6 +65,7 @@ class Sessions:
 
     def make(self, model, *, parity: bool):
         from graphopt import io
+        from graphopt.errors import first_line
         from graphopt.runtime import make_session, session_options
         from graphopt.verify import runnable
 
@@ -83,7 +84,7 @@ class Sessions:
             except Exception as e:
                 if not opts:
                     raise
-                print(f"note: CUDA provider option use_tf32 not accepted ({str(e).splitlines()[0][:120]}); "
+                print(f"note: CUDA provider option use_tf32 not accepted ({first_line(e, 120)}); "
                       "parity runs with ORT's default TF32 setting", flush=True)
                 self.tf32_option = False
                 return self.make(model, parity=parity)
@@ -96,9 +97,7 @@ def _cuda_pass(name: str, model, **options):
     """Run pass ``name`` on ``model`` as ``optimize --provider cuda`` does (provider in its context)."""
     from graphopt import registry
 
-    p = registry.create(name, options)
-    p.context = registry.PassContext(provider="cuda")
-    return p(model)
+    return registry.create(name, options)(model, registry.PassContext(provider="cuda"))
 
 
 def _workload(n: int, seed: int) -> tuple[list[np.ndarray], str]:

@@ -7,12 +7,14 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Calib, Json, Provider, Threads
+from graphopt.cli.options import Calib, InputShape, InputValue, Json, Provider, Threads, feed_overrides
 
 
 def command(
     models: Annotated[list[Path], typer.Argument(help="ONNX models; ratios are against the first.", show_default=False)],
     calib: Calib = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
     batch: Annotated[int, typer.Option("--batch", help="Batch size of generated feeds (without --calib).")] = 1,
     seq: Annotated[int, typer.Option("--seq", help="Sequence length of generated feeds (without --calib).")] = 128,
     threads: Threads = 1,
@@ -38,12 +40,13 @@ def command(
 
     if rounds < 1:
         raise UsageError("--rounds must be at least 1")
+    shapes, values = feed_overrides(input_shape, input_value, calib)
     first = io.load(models[0])
     if calib is not None:
         feeds = feeds_mod.load_dir(calib)
         feeds_mod.check_against(first, feeds)
     else:
-        feeds = feeds_mod.generate(first, count=1, batch=batch, seq=seq, padded=False)
+        feeds, _ = feeds_mod.runnable(first, count=1, batch=batch, seq=seq, padded=False, shapes=shapes, values=values)
     for m in models[1:]:
         io.load(m, check_external=True)  # fail early and clearly on a bad path
     names = {}

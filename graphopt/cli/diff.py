@@ -11,7 +11,17 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Calib
+from graphopt.cli.options import (
+    Atol,
+    Calib,
+    InputShape,
+    InputValue,
+    Json,
+    Quiet,
+    Report,
+    Rtol,
+    feed_overrides,
+)
 from graphopt.errors import EXIT_VERIFY
 
 
@@ -20,51 +30,63 @@ def command(
     b: Annotated[Path, typer.Argument(help="Model B (after), an .onnx file.", metavar="B")],
     numeric: Annotated[bool, typer.Option("--numeric", help="Run both models and compare shared tensors.")] = False,
     calib: Calib = None,
-    json_file: Annotated[Path | None, typer.Option("--json", help="Write the JSON diff to FILE ('-' = stdout).",
-                                                      metavar="FILE")] = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
+    json_: Json = False,
+    report: Report = None,
     html_file: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report to FILE.",
                                                       metavar="FILE")] = None,
     mapping_file: Annotated[Path | None, typer.Option("--mapping", metavar="FILE",
                                                          help="Write a Model Explorer node-mapping JSON.")] = None,
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance for --numeric.")] = 1e-4,
-    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance for --numeric.")] = 1e-4,
+    atol: Atol = 1e-4,
+    rtol: Rtol = 1e-4,
     fail_on_drift: Annotated[bool, typer.Option("--fail-on-drift",
                                                 help="Exit 3 when --numeric finds an output beyond tolerance.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No terminal report.")] = False,
+    quiet: Quiet = False,
 ) -> None:
     """Diff two ONNX models: rewritten regions and the passes that made them, op/initializer/IO/FLOP
-    deltas, and with --numeric the first tensor that drifts beyond tolerance."""
-    from graphopt.diff import diff_models, output
+    deltas, and with --numeric the first tensor that drifts beyond tolerance (--atol, --rtol).
+
+    --json prints the JSON diff (docs/diff-json-schema.md) to stdout; --report writes it to FILE.
+    """
+    from graphopt import io
+    from graphopt.diff import diff_models
     from graphopt.errors import UsageError
 
     if calib is not None and not numeric:
         raise UsageError("--calib needs --numeric", hint="add --numeric to compare tensors on those feeds")
     if fail_on_drift and not numeric:
         raise UsageError("--fail-on-drift needs --numeric")
+    shapes, values = feed_overrides(input_shape, input_value, calib)
+    if (shapes or values) and not numeric:
+        raise UsageError("--input-shape/--input-value need --numeric")
     feeds = None
     if calib is not None:
         from graphopt.feeds import load_dir
 
         feeds = load_dir(calib)
+    elif shapes or values:  # generated feeds that make A run, with the given shapes and values
+        from graphopt.feeds import runnable
+
+        feeds, _ = runnable(io.load(a), shapes=shapes, values=values)
     result = diff_models(a, b, numeric=numeric, feeds=feeds, atol=atol, rtol=rtol)
-    if json_file is not None:
-        if str(json_file) == "-":
-            typer.echo(result.to_json())
-        else:
-            output.write_text(json_file, result.to_json() + "\n")
+    if report is not None:
+        io.write_atomic(report, result.to_json() + "\n")
     if html_file is not None:
         from graphopt.diff import html
 
-        output.write_text(html_file, html.render_html(result))
+        io.write_atomic(html_file, html.render_html(result))
     if mapping_file is not None:
         from graphopt.diff import mapping
 
-        output.write_text(mapping_file, mapping.to_json(result))
-    if not quiet and str(json_file) != "-":
+        io.write_atomic(mapping_file, mapping.to_json(result))
+    if json_:
+        typer.echo(result.to_json())
+    elif not quiet:
         from graphopt.diff import terminal
 
         terminal.render(result)
-        for what, f in (("JSON", json_file), ("HTML", html_file), ("mapping", mapping_file)):
+        for what, f in (("JSON", report), ("HTML", html_file), ("mapping", mapping_file)):
             if f is not None:
                 typer.echo(f"{what} written to {f}")
     if fail_on_drift and result.drift:

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from graphopt.cli.options import Json
+
 
 def command(
     src: Annotated[str, typer.Argument(help="Hugging Face model folder (config + weights), or module:function.")],
@@ -35,7 +37,7 @@ def command(
         float | None,
         typer.Option("--atol", help="Parity tolerance, max |onnx - torch| on real tokens (default 1e-4; fp16 1e-2)."),
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    json_out: Json = False,
 ) -> None:
     """Export a model to ONNX and check it against PyTorch (exit 3 when it does not match)."""
     from rich.console import Console

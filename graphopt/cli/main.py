@@ -52,20 +52,15 @@ def _print_error(e: GraphoptError) -> None:
         err.print(f"[dim]hint: {e.hint}[/]", markup=True)
 
 
-def _click_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """Click's usage-error and exit classes: typer >= 0.24 vendors click as ``typer._click``."""
-    import importlib
-
-    exc, ext = [], []
-    for mod in ("click.exceptions", "typer._click.exceptions"):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        exc.append(m.ClickException)
-        if hasattr(m, "Exit"):
-            ext.append(m.Exit)
-    return tuple(exc), tuple(ext)
+def _is_usage_error(e: Exception) -> bool:
+    """A usage error of the click that typer (0.2x and later) vendors: it has ``show`` and an exit code,
+    and is not a ``click`` exception."""
+    try:
+        from typer.exceptions import TyperException
+    except ImportError:  # older typer raises click's own exceptions
+        return False
+    return isinstance(e, TyperException) and callable(getattr(e, "show", None)) and isinstance(
+        getattr(e, "exit_code", None), int)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         print("aborted", file=sys.stderr)
         code = EXIT_ERROR
     except Exception as e:  # click usage errors
-        click_exc, click_exit = _click_classes()
-        if isinstance(e, click_exc):
+        import click
+
+        if isinstance(e, click.exceptions.ClickException) or _is_usage_error(e):
             e.show()
             code = e.exit_code
-        elif isinstance(e, click_exit):
+        elif isinstance(e, click.exceptions.Exit):
             code = e.exit_code
         else:
             if debug:

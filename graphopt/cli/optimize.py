@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Budget, Calib, Provider
+from graphopt.cli.options import (
+    Budget,
+    Calib,
+    InputShape,
+    InputValue,
+    Provider,
+    Quiet,
+    Report,
+    feed_overrides,
+)
 
 EPILOG = """\
 Examples:
@@ -19,6 +28,8 @@ Examples:
   graphopt optimize model.onnx -o out.onnx --set cleanup.cse=false --calib feeds/
 
   graphopt optimize model.onnx -o out.onnx --recipe my_recipe.toml --verify structure
+
+  graphopt optimize vad.onnx -o out.onnx --input-shape input:1,512 --input-value sr=16000
 """
 
 
@@ -29,29 +40,33 @@ def command(
     recipe: Annotated[str | None, typer.Option("--recipe", help="Recipe TOML file or builtin recipe name.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Pass option PASS.KEY=VALUE (repeatable).")] = None,
     calib: Calib = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
     budget: Budget = None,
     provider: Provider = "cpu",
     verify: Annotated[str, typer.Option("--verify", help="Verification after each pass: off, structure or numeric.")] = "numeric",
-    report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here.")] = None,
-    keep_going: Annotated[bool, typer.Option("--keep-going", help="Roll back a failing pass and continue (exit 0).")] = False,
-    require_budget: Annotated[bool, typer.Option("--require-budget", help="Exit 3 when a lossy pass cannot meet the budget (default: it keeps the model as it was and says so).")] = False,
+    report: Report = None,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="When a lossy pass fails or cannot meet the budget: keep the model as it was before it, continue, write it (exit 0).")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 3 (no output) when any pass is rolled back, lossless ones included.")] = False,
+    require_budget: Annotated[bool, typer.Option("--require-budget", hidden=True, help="Kept for old scripts: an unmet budget always fails the run now.")] = False,
     debug_dir: Annotated[Path | None, typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No table on stdout.")] = False,
+    quiet: Quiet = False,
 ) -> None:
     """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.
 
     Every pass is verified (ONNX checker, shape inference, an ONNX Runtime session, numeric parity
-    with the model before it). A pass that fails is rolled back; the run exits 3 and writes no
-    output unless --keep-going.
+    with the model before it). A lossless pass that fails is rolled back and the recipe goes on
+    without it (a warning; --strict: exit 3, no output). A lossy pass that fails or cannot meet
+    --budget (or its default budget) stops the run: exit 3, no output, unless --keep-going.
     """
     from rich.console import Console
 
     from graphopt import io, pipeline
     from graphopt import recipe as recipe_mod
-    from graphopt.errors import EXIT_VERIFY, UsageError
+    from graphopt.errors import UsageError, VerificationError
     from graphopt.metrics import parse_budget
 
     if output is None and not in_place:
@@ -60,6 +75,7 @@ def command(
     if passes and recipe:
         raise UsageError("--passes and --recipe are exclusive", hint="use one of them")
     parsed_budget = parse_budget(budget)
+    shapes, values = feed_overrides(input_shape, input_value, calib)
     io.check_output_path(model, out, in_place=in_place)
     rec = recipe_mod.load(recipe) if recipe else None
 
@@ -71,16 +87,22 @@ def command(
             passes=passes,
             overrides=set_ or [],
             calib=calib,
+            input_shapes=shapes,
+            input_values=values,
             budget=parsed_budget,
             provider=provider,
             verify_level=verify,
             keep_going=keep_going,
-            require_budget=require_budget,
+            strict=strict,
             debug_dir=debug_dir,
             explain=explain,
             on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"),
         )
     rep = result.report
+    for failed in rep.failed():
+        if result.ok:
+            console.print(f"[bold yellow]warning:[/] pass {failed.name!r} {failed.status}: {failed.error}; "
+                          "the output is written without it (--strict fails instead)", highlight=False)
     if result.ok:
         io.save(result.model, out, external_data=external_data, src=model, in_place=in_place)
         rep.output = str(out)
@@ -89,8 +111,11 @@ def command(
     if not quiet:
         rep.render(Console())
     if not result.ok:
-        failed = rep.failed()[0]
-        console.print(f"[bold red]error:[/] pass {failed.name!r} {failed.status}: {failed.error}", highlight=False)
-        console.print("[dim]hint: no output written; --keep-going writes the model without that pass, "
-                      "--debug-dir saves the before/after pair[/]", highlight=False)
-        raise typer.Exit(EXIT_VERIFY)
+        failed = rep.failed()[-1]
+        lossy = not failed.exact and not keep_going
+        raise VerificationError(
+            f"pass {failed.name!r} {failed.status}: {failed.error}",
+            hint="no output written; " + ("--keep-going writes the model without that pass" if lossy
+                                          else "without --strict the model is written without that pass")
+            + ", --debug-dir saves the before/after pair",
+        )

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
+from graphopt.cli.options import Json
 
-def command(json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+
+def command(json_: Json = False) -> None:
     """List every pass: name, lossless or lossy, one-line summary, options with defaults."""
     import json
 

@@ -1,4 +1,7 @@
-"""``graphopt verify``: compare two models numerically, optionally against a budget."""
+"""``graphopt verify``: compare two models numerically, optionally against a budget.
+
+A thin wrapper over ``graphopt.verify.compare_models``.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +10,33 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Budget, Calib, Json, Provider
+from graphopt.cli.options import (
+    Atol,
+    Budget,
+    Calib,
+    InputShape,
+    InputValue,
+    Json,
+    Provider,
+    Rtol,
+    feed_overrides,
+)
 
 
 def command(
     reference: Annotated[Path, typer.Argument(help="Reference model A.", show_default=False)],
     candidate: Annotated[Path, typer.Argument(help="Candidate model B.", show_default=False)],
     calib: Calib = None,
+    input_shape: InputShape = None,
+    input_value: InputValue = None,
     budget: Budget = None,
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance when no --budget is given.")] = 1e-4,
-    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance when no --budget is given.")] = 1e-4,
+    atol: Atol = 1e-4,
+    rtol: Rtol = 1e-4,
     provider: Provider = "cpu",
     json_: Json = False,
 ) -> None:
-    """Run A and B on the same feeds (--calib or generated from A's signature) and compare their
+    """Run A and B on the same feeds (--calib, or generated to make A run; --input-shape and
+    --input-value fix an input's shape or value) and compare their
     outputs mask-aware. Exit 3 when the budget (or, without one, atol + rtol*|ref|) is not met.
 
     Example: graphopt verify model.onnx model.opt.onnx --calib feeds/ --budget 'cosine>=0.99'
@@ -31,37 +47,23 @@ def command(
     from rich.table import Table
 
     from graphopt import feeds as feeds_mod
-    from graphopt import io
     from graphopt.errors import EXIT_VERIFY
-    from graphopt.metrics import compare, parse_budget
-    from graphopt.verify import run_model
+    from graphopt.verify import compare_models
 
-    parsed = parse_budget(budget)
-    a = io.load(reference)
-    b = io.load(candidate)
-    feeds = feeds_mod.load_dir(calib) if calib is not None else feeds_mod.generate(a)
-    if calib is not None:
-        feeds_mod.check_against(a, feeds)
-    out_a = run_model(a, feeds, provider=provider)
-    out_b = run_model(b, feeds, provider=provider)
-    shared = [n for n in out_a[0] if n in out_b[0]] if out_a else []
-    cmp = compare(out_b, out_a, feeds, atol=atol, rtol=rtol, outputs=shared)
-    missing = [n for n in (out_a[0] if out_a else {}) if n not in shared]
-    fails = parsed.failures(cmp) if parsed else ([] if cmp.within(atol, rtol) else [f"outputs differ beyond atol {atol:g} + rtol {rtol:g}*|ref|"])
-    if missing:
-        fails.append("outputs missing from B: " + ", ".join(missing))
+    shapes, values = feed_overrides(input_shape, input_value, calib)
+    res = compare_models(reference, candidate, calib=calib, budget=budget, atol=atol, rtol=rtol, provider=provider,
+                         shapes=shapes, values=values)
     if json_:
-        typer.echo(json.dumps({"ok": not fails, "failures": fails, "budget": str(parsed), "feeds": feeds_mod.describe(feeds),
-                               **cmp.as_dict()}, indent=2, default=str))
+        typer.echo(json.dumps(res.as_dict(), indent=2, default=str))
     else:
-        t = Table(title=f"{reference} vs {candidate} ({feeds_mod.describe(feeds)})", title_justify="left")
+        t = Table(title=f"{reference} vs {candidate} ({feeds_mod.describe(res.feeds)})", title_justify="left")
         for c in ("output", "max_abs", "max_rel", "cosine", "cosine_min", "top1", "mismatch"):
             t.add_column(c, justify="right" if c != "output" else "left")
-        for d in cmp.outputs.values():
+        for d in res.comparison.outputs.values():
             t.add_row(d.name, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}", f"{d.cosine:.6f}", f"{d.cosine_min:.6f}",
                       f"{d.top1:.4f}", f"{100 * d.mismatch:.2f}%")
         c = Console()
         c.print(t)
-        c.print("[green]ok[/]" if not fails else "[red]FAILED:[/] " + "; ".join(fails), highlight=False)
-    if fails:
+        c.print("[green]ok[/]" if res.ok else "[red]FAILED:[/] " + "; ".join(res.failures), highlight=False)
+    if not res.ok:
         raise typer.Exit(EXIT_VERIFY)

@@ -10,7 +10,6 @@ compared, to find the first one that drifts beyond tolerance.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,10 +17,12 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.diff import structural
+from graphopt.diff import deltas
+from graphopt.diff.matching import Matching, NodeId, Side, match_graphs, pass_of
+from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
-
-logger = logging.getLogger(__name__)
+from graphopt.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
+from graphopt.report import op_histogram, op_key
 
 __all__ = ["SCHEMA_VERSION", "DiffResult", "diff_models"]
 
@@ -38,21 +39,22 @@ def _opsets(model: ir.Model) -> dict[str, int]:
     return {(k or "ai.onnx"): v for k, v in sorted(model.opset_imports.items())}
 
 
-def _node_records(nodes: list[ir.Node], side: str) -> list[dict[str, Any]]:
+def _node_records(m: Matching, side: Side) -> list[dict[str, Any]]:
+    """One JSON node record per node of ``side``, in graph order (so record k is node k)."""
     return [
         {
-            "id": f"{side}{i}",
+            "id": str(NodeId(side, i)),
             "name": n.name or "",
-            "op": structural.op_key(n),
+            "op": op_key(n),
             "status": "unchanged",
             "match": None,
             "region": None,
-            "pass": structural.pass_of(n),
+            "pass": pass_of(n),
             "changes": [],
             "inputs": [v.name if v is not None else "" for v in n.inputs],
             "outputs": [v.name or "" for v in n.outputs],
         }
-        for i, n in enumerate(nodes)
+        for i, n in enumerate(m.nodes(side))
     ]
 
 
@@ -64,8 +66,8 @@ def diff_models(
     feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
     atol: float = 1e-4,
     rtol: float = 1e-4,
-    flop_batch: int = structural.FLOP_BATCH,
-    flop_seq: int = structural.FLOP_SEQ,
+    flop_batch: int = FLOP_BATCH,
+    flop_seq: int = FLOP_SEQ,
 ) -> DiffResult:
     """Diff model ``a`` (before) against ``b`` (after); paths are loaded with ``graphopt.io.load``.
 
@@ -75,33 +77,38 @@ def diff_models(
     ma, label_a = _as_model(a)
     mb, label_b = _as_model(b)
     ga, gb = ma.graph, mb.graph
-    m = structural.match_graphs(ga, gb)
-    regions = structural.find_regions(m)
+    m = match_graphs(ga, gb)
+    regions = find_regions(m)
 
-    ra, rb = _node_records(m.a_nodes, "a"), _node_records(m.b_nodes, "b")
-    for j, i in m.node_b2a.items():
-        ra[i]["match"], rb[j]["match"] = f"b{j}", f"a{i}"
-        if j in m.modified:
-            ra[i]["status"] = rb[j]["status"] = "modified"
-            ra[i]["changes"] = rb[j]["changes"] = list(m.modified[j])
+    records = {side: _node_records(m, side) for side in Side}
+    ra, rb = records[Side.A], records[Side.B]
+
+    def rec(nid: NodeId) -> dict[str, Any]:
+        return records[nid.side][nid.index]
+
+    for na, nb in m.pairs():
+        rec(na)["match"], rec(nb)["match"] = str(nb), str(na)
+        if nb.index in m.modified:
+            for nid in (na, nb):
+                rec(nid).update(status="modified", changes=list(m.modified[nb.index]))
     for r in regions:
         for nid in r.a_nodes:
-            ra[int(nid[1:])].update(status="removed", region=r.id)
+            rec(nid).update(status="removed", region=r.id)
         for nid in r.b_nodes:
-            rb[int(nid[1:])].update(status="added", region=r.id)
+            rec(nid).update(status="added", region=r.id)
 
-    hist_a, hist_b = structural.op_histogram(ga), structural.op_histogram(gb)
+    hist_a, hist_b = op_histogram(ga), op_histogram(gb)
     hist_delta = {k: hist_b[k] - hist_a[k] for k in sorted(set(hist_a) | set(hist_b)) if hist_b[k] != hist_a[k]}
-    inits = structural.initializer_delta(ga, gb, m)
-    io_d = structural.io_delta(ga, gb)
-    subs = structural.subgraph_delta(m)
-    fa = structural.estimate_flops(ma, flop_batch, flop_seq)
-    fb = structural.estimate_flops(mb, flop_batch, flop_seq)
+    inits = deltas.initializer_delta(ga, gb, m)
+    io_d = deltas.io_delta(ga, gb)
+    subs = deltas.subgraph_delta(m)
+    fa = estimate_flops(ma, flop_batch, flop_seq)
+    fb = estimate_flops(mb, flop_batch, flop_seq)
 
     modified = [
-        {"a": f"a{i}", "b": f"b{j}", "op": structural.op_key(m.b_nodes[j]), "name": m.b_nodes[j].name or "",
-         "changes": m.modified[j]}
-        for j, i in sorted(m.node_b2a.items()) if j in m.modified
+        {"a": str(na), "b": str(nb), "op": op_key(m.node(nb)), "name": m.node(nb).name or "",
+         "changes": m.modified[nb.index]}
+        for na, nb in m.pairs() if nb.index in m.modified
     ]
     counts = collections.Counter(r["status"] for r in ra)
     counts_b = collections.Counter(r["status"] for r in rb)
@@ -139,7 +146,8 @@ def diff_models(
         from graphopt.diff import numeric as _numeric
 
         result.numeric = _numeric.numeric_diff(ma, mb, m, feeds=feeds, atol=atol, rtol=rtol)
-        for side, recs in (("a", ra), ("b", rb)):
-            for nid, err in result.numeric["node_errors"][side].items():
-                recs[int(nid[1:])]["max_abs"] = err
+        by_id = {r["id"]: r for r in (*ra, *rb)}
+        for side in Side:
+            for nid, err in result.numeric["node_errors"][side.value].items():
+                by_id[nid]["max_abs"] = err
     return result

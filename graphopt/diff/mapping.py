@@ -21,13 +21,14 @@ def _node_id(rec: dict) -> str:
 def mapping_data(result: DiffResult) -> dict:
     """The ``SyncNavigationData`` dict for ``result`` (A is the left pane, B the right)."""
     ra, rb = result.graphs["a"], result.graphs["b"]
+    by_id = {rec["id"]: rec for rec in (*ra, *rb)}
     entries = []
     for rec in ra:
         if rec["match"] is not None:
-            entries.append({"leftNodeIds": [_node_id(rec)], "rightNodeIds": [_node_id(rb[int(rec["match"][1:])])]})
+            entries.append({"leftNodeIds": [_node_id(rec)], "rightNodeIds": [_node_id(by_id[rec["match"]])]})
     for region in result.regions:
-        left = [_node_id(ra[int(n[1:])]) for n in region["a_nodes"]]
-        right = [_node_id(rb[int(n[1:])]) for n in region["b_nodes"]]
+        left = [_node_id(by_id[n]) for n in region["a_nodes"]]
+        right = [_node_id(by_id[n]) for n in region["b_nodes"]]
         if left and right:
             entries.append({"leftNodeIds": left, "rightNodeIds": right})
     return {"mappingEntries": entries, "disableMappingFallback": True, "showDiffHighlights": True}

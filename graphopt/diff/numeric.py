@@ -54,7 +54,7 @@ def _feeds_for(ma: ir.Model, mb: ir.Model, feeds):
     from graphopt import feeds as feeds_mod
 
     if feeds is None:
-        feeds = feeds_mod.generate(ma)
+        feeds = feeds_mod.runnable(ma)[0]  # generated feeds that make A run
         b_needs = [v.name for v in mb.graph.inputs if v.name not in mb.graph.initializers]
         if any(n not in feeds[0] for n in b_needs):
             extra = feeds_mod.generate(mb, count=len(feeds) - 1 if len(feeds) > 1 else 1)

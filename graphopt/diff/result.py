@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
+
+from graphopt.report import json_safe
 
 #: bump the major number on any incompatible change of the JSON layout
 SCHEMA_VERSION = "1.0"
@@ -43,24 +44,8 @@ class DiffResult:
         d = {"schema_version": SCHEMA_VERSION}
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)
-        return _clean(d)
+        return json_safe(d)
 
     def to_json(self, indent: int | None = 2) -> str:
         """The stable JSON form (``schema_version`` first); non-finite floats become strings."""
         return json.dumps(self.as_dict(), indent=indent)
-
-
-def _clean(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "nan"
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        return x
-    if hasattr(x, "item") and callable(x.item):  # numpy scalars
-        return _clean(x.item())
-    return x

@@ -1,11 +1,4 @@
-"""Helpers of ``remove-padding``: dimension probing and the pack/unpack index machinery.
-
-Dimension probing: run the model (ORT, optimizations off) on two all-ones-mask feeds with different
-batch/sequence sizes, every intermediate value as an output, and label each dimension of each value
-``"B"`` (batch), ``"S"`` (sequence), ``"BS"`` (their product), an ``int`` (same in both runs) or ``"?"``.
-This works on any export whatever shape information it carries.
-
-Index machinery, built once from the ``[B, S]`` attention mask::
+"""The pack/unpack index machinery of ``remove-padding``, built once from the ``[B, S]`` attention mask::
 
     flat    = Reshape(mask, [-1])                 [B*S]
     idx     = NonZero(flat)                       [1, N]    real-token flat positions
@@ -28,92 +21,24 @@ com.microsoft PackedMultiHeadAttention, CUDA only).
 
 from __future__ import annotations
 
-import logging
+import enum
 import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-logger = logging.getLogger(__name__)
-
-#: (batch, seq) of the two probe runs: small primes that collide with no model dimension
-PROBES = ((3, 7), (5, 11))
-
-Label = object  # "B" | "S" | "BS" | int | "?"
+from .probe import Dim
 
 
-def probe_labels(model: ir.Model, mask: ir.Value) -> dict[str, tuple[Label, ...]]:
-    """Value name -> dimension labels, from two runs with different batch/sequence sizes.
+class Lead(enum.Enum):
+    """The leading dimensions of an operand of a packed op, which say how it is packed."""
 
-    Raises whatever ONNX Runtime raises when the model cannot run (the caller refuses).
-    """
-    from graphopt.runtime import make_session
-
-    graph = model.graph
-    mask_dims = list(mask.shape.dims) if mask.shape is not None else []
-    if len(mask_dims) != 2:
-        raise ValueError(f"mask {mask.name!r} is not rank 2")
-    known = {v.name for v in graph.inputs} | set(graph.initializers) | {v.name for v in graph.outputs}
-    # ONNX Runtime accepts graph outputs without a type, so every named intermediate can be one
-    extra = [out for node in graph for out in node.outputs if out.name and out.name not in known]
-    original_outputs = list(graph.outputs)
-    try:
-        graph.outputs.extend(extra)
-        # make_session takes the onnx_ir model itself (large models go through a temporary file)
-        sess = make_session(model, optimize=False, threads=1)
-    finally:
-        graph.outputs.clear()
-        graph.outputs.extend(original_outputs)
-    names = [o.name for o in sess.get_outputs()]
-    runs = []
-    for b, s in PROBES:
-        feed = {}
-        for v in graph.inputs:
-            if v.name in graph.initializers:
-                continue
-            dims = [] if v.shape is None else list(v.shape.dims)
-            shape = []
-            for d in dims:
-                if isinstance(d, int):
-                    shape.append(d)
-                elif d == mask_dims[0]:
-                    shape.append(b)
-                elif d == mask_dims[1]:
-                    shape.append(s)
-                else:
-                    raise ValueError(f"input {v.name!r} has dimension {d} that is neither batch nor sequence")
-            dtype = v.dtype.numpy() if v.dtype is not None else np.dtype(np.float32)
-            fill = 1 if v is mask else 0
-            feed[v.name] = np.full(shape, fill, dtype=dtype)
-        outs = sess.run(names, feed)
-        shapes = {n: np.shape(o) for n, o in zip(names, outs)}
-        for n, a in feed.items():
-            shapes[n] = a.shape
-        runs.append(shapes)
-    labels: dict[str, tuple[Label, ...]] = {}
-    (b1, s1), (b2, s2) = PROBES
-    for n, sh1 in runs[0].items():
-        sh2 = runs[1].get(n)
-        if sh2 is None or len(sh1) != len(sh2):
-            continue
-        lab: list[Label] = []
-        for d1, d2 in zip(sh1, sh2):
-            if d1 == d2:
-                lab.append(int(d1))
-            elif (d1, d2) == (b1, b2):
-                lab.append("B")
-            elif (d1, d2) == (s1, s2):
-                lab.append("S")
-            elif (d1, d2) == (b1 * s1, b2 * s2):
-                lab.append("BS")
-            else:
-                lab.append("?")
-        labels[n] = tuple(lab)
-    for name, init in graph.initializers.items():
-        if init.const_value is not None:
-            labels[name] = tuple(int(d) for d in init.const_value.shape)
-    return labels
+    FREE = "free"  # no batch/sequence dims (or [1, 1, ...]): used as it is
+    TOKENS = (Dim.B, Dim.S)  # [B, S, ...]: gathered by token
+    POSITIONS = (1, Dim.S)  # [1, S, ...]: gathered by each token's sequence index
+    ROWS = (Dim.B, 1)  # [B, 1, ...]: gathered by each token's batch index
+    SEQUENCE = (Dim.S,)  # [S, ...], one rank below the op: gathered by sequence index
 
 
 _CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -165,23 +90,23 @@ class PackIndex:
         flat_map = t.op("Where", [self.is_real, rank, total])
         self.pos_map = t.op("Reshape", [flat_map, self.mask_shape])  # [B, S]
         self.pos_map.name = "packing_position_map"
-        self._packed: dict[tuple[int, str], ir.Value] = {}
+        self._packed: dict[tuple[int, Lead], ir.Value] = {}
 
-    def pack(self, value: ir.Value, lead: tuple[Label, Label], rank: int) -> ir.Value:
-        """``value`` with leading dims ``lead`` in {1,B}x{1,S} (rank ``rank``) -> ``[1, N, *rest]``."""
-        key = (id(value), str(lead))
+    def pack(self, value: ir.Value, lead: Lead) -> ir.Value:
+        """``value`` with leading dims ``lead`` -> ``[1, N+1, *rest]`` (one per value and lead)."""
+        key = (id(value), lead)
         if key in self._packed:
             return self._packed[key]
         t = self.tape
-        if lead == ("B", "S"):
+        if lead is Lead.TOKENS:
             rest = t.op("Shape", [value], {"start": 2})
             flat = t.op("Reshape", [value, t.op("Concat", [const_ints(t, [-1]), rest], {"axis": 0})])
             out = t.op("Gather", [flat, self.idx_ext], {"axis": 0})
-        elif lead == (1, "S"):
+        elif lead is Lead.POSITIONS:
             out = t.op("Gather", [t.op("Squeeze", [value, const_ints(t, [0])]), self.idx_s], {"axis": 0})
-        elif lead == ("B", 1):
+        elif lead is Lead.ROWS:
             out = t.op("Gather", [t.op("Squeeze", [value, const_ints(t, [1])]), self.idx_b], {"axis": 0})
-        elif lead == ("S",):  # rank r-1 operand aligned with [S, *rest]
+        elif lead is Lead.SEQUENCE:  # rank r-1 operand aligned with [S, *rest]
             out = t.op("Gather", [value, self.idx_s], {"axis": 0})
         else:
             raise ValueError(f"cannot pack leading dims {lead}")
@@ -189,7 +114,7 @@ class PackIndex:
         self._packed[key] = out
         return out
 
-    def unpack(self, packed: ir.Value, rank: int, name: str | None = None) -> ir.Value:
+    def unpack(self, packed: ir.Value, name: str | None = None) -> ir.Value:
         """``[1, N+1, *rest]`` -> ``[B, S, *rest]``; padded positions get the scratch row (a real token's values)."""
         t = self.tape
         rows = t.op("Squeeze", [packed, const_ints(t, [0])])  # [N + 1, *rest]
@@ -206,7 +131,7 @@ class PackIndex:
             keep = t.op("Unsqueeze", [keep, const_ints(t, list(range(2, rank)))])
         np_dtype = dtype.numpy() if dtype is not None else np.dtype(np.float32)
         zero = t.op("Constant", [], {"value": ir.tensor(np.zeros((), dtype=np_dtype))})
-        return t.op("Where", [keep, self.unpack(packed, rank), zero])
+        return t.op("Where", [keep, self.unpack(packed), zero])
 
     def real_rows(self, packed: ir.Value) -> ir.Value:
         """``[1, N+1, *rest]`` -> ``[N, *rest]`` (drops the scratch row)."""
@@ -283,15 +208,15 @@ class GroupIndex:
         self._rows_cache: dict[int, ir.Value] = {}
         self._bias_cache: dict[tuple[int, int], ir.Value] = {}
 
-    def padded_rows(self, packed: ir.Value, rank: int) -> ir.Value:
+    def padded_rows(self, packed: ir.Value) -> ir.Value:
         """``[1, N+1, *rest]`` -> ``[N+1, *rest]`` (fillers read the scratch row N)."""
         if id(packed) not in self._rows_cache:
             self._rows_cache[id(packed)] = self.tape.op("Squeeze", [packed, const_ints(self.tape, [0])])
         return self._rows_cache[id(packed)]
 
-    def gather(self, packed: ir.Value, g: int, rank: int = 3) -> ir.Value:
+    def gather(self, packed: ir.Value, g: int) -> ir.Value:
         """Group ``g`` layout ``[B_g, L_g, *rest]`` of a packed value (filler slots: the scratch row)."""
-        return self.tape.op("Gather", [self.padded_rows(packed, rank), self.map[g]], {"axis": 0})
+        return self.tape.op("Gather", [self.padded_rows(packed), self.map[g]], {"axis": 0})
 
     def attention_bias(self, bias: ir.Value, lead_batch: bool, g: int, fill: float) -> ir.Value:
         """Group ``g`` of a ``[B|1, 1, S, S]`` additive bias: ``[B_g, 1, L_g, L_g]``, filler keys = ``fill``."""

@@ -1,0 +1,232 @@
+"""Rewritten regions: the unmatched nodes of A and B, grouped by what replaced what.
+
+B's unmatched nodes form components (joined through values without a counterpart). Each unmatched
+A node joins the B component whose paired output values it feeds (through unmatched A nodes,
+stopping at paired values): "these 14 nodes became this LayerNormalization". A nodes feeding several
+components (e.g. a mask computation shared by every fused attention) form their own region, which
+records the regions it fed in ``shared_by``; A nodes feeding none are grouped among themselves
+(removed). The pass that made a region is read from the ``graphopt.pass`` metadata of its B nodes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Hashable
+
+import onnx_ir as ir
+
+from graphopt.diff.matching import Matching, NodeId, Side, a_id, b_id, pass_of
+from graphopt.report import op_key
+
+
+@dataclasses.dataclass
+class Region:
+    """A connected set of unmatched A nodes and the unmatched B nodes that replaced them."""
+
+    id: int
+    a_nodes: list[NodeId]
+    b_nodes: list[NodeId]
+    a_ops: dict[str, int]
+    b_ops: dict[str, int]
+    passes: dict[str, int]  # pass name -> number of B nodes tagged with it
+    inputs: list[str]  # boundary values (A names) the region reads
+    outputs: list[str]  # boundary values (A names, else B names) the region produces
+    shared_by: list[int] = dataclasses.field(default_factory=list)  # regions a shared helper region fed
+
+    @property
+    def kind(self) -> str:
+        if self.a_nodes and self.b_nodes:
+            return "rewritten"
+        return "removed" if self.a_nodes else "added"
+
+    def summary(self) -> str:
+        def ops(d: dict[str, int]) -> str:
+            return ", ".join(f"{k}×{n}" if n > 1 else k for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
+
+        by = f" by {', '.join(sorted(self.passes))}" if self.passes else ""
+        fed = f", shared by regions {', '.join(map(str, self.shared_by))}" if self.shared_by else ""
+        if self.kind == "rewritten":
+            return f"{len(self.a_nodes)} nodes ({ops(self.a_ops)}) became {len(self.b_nodes)} ({ops(self.b_ops)}){fed}{by}"
+        if self.kind == "removed":
+            return f"{len(self.a_nodes)} nodes removed ({ops(self.a_ops)}){fed}{by}"
+        return f"{len(self.b_nodes)} nodes added ({ops(self.b_ops)}){fed}{by}"
+
+    def _order(self) -> tuple[int, int]:
+        """Regions are listed by their first A node, then their first B node."""
+        return (min((n.index for n in self.a_nodes), default=10**9), min((n.index for n in self.b_nodes), default=0))
+
+    def as_dict(self) -> dict:
+        """The JSON form (docs/diff-json-schema.md): node ids as ``"a12"`` / ``"b7"``."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["a_nodes"] = [str(n) for n in self.a_nodes]
+        d["b_nodes"] = [str(n) for n in self.b_nodes]
+        d["kind"] = self.kind
+        d["summary"] = self.summary()
+        return d
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[Hashable, Hashable] = {}
+
+    def find(self, x: Hashable) -> Hashable:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, x: Hashable, y: Hashable) -> None:
+        rx, ry = self.find(x), self.find(y)
+        if rx != ry:
+            self.parent[ry] = rx
+
+
+def _shared(fed: frozenset[int]) -> tuple[str, frozenset[int]]:
+    """Union-find key of the shared region feeding the B components ``fed``."""
+    return ("shared", fed)
+
+
+def find_regions(m: Matching) -> list[Region]:
+    """Group the unmatched nodes of both graphs into rewritten regions (see the module docstring).
+
+    Union-find keys: ``a_id(i)`` for an unmatched A node, ``b_id(c)`` for the B component rooted
+    at B node ``c``, ``_shared(components)`` for the helper region feeding several components.
+    """
+    a_idx = {id(n): i for i, n in enumerate(m.a_nodes)}
+    b_idx = {id(n): i for i, n in enumerate(m.b_nodes)}
+    a_un, b_un = m.unmatched(Side.A), m.unmatched(Side.B)
+    a_un_set, b_un_set = set(a_un), set(b_un)
+    a2b_val = {va: vb for vb, va in m.value_b2a.items()}
+
+    # 1. components of B's unmatched nodes. A new helper fed only by paired values and used by
+    # several new nodes (e.g. one mask Cast shared by every fused Attention) does not glue their
+    # components together: it becomes a shared region of its own (step 3).
+    def b_users(j: int) -> set[int]:
+        return {b_idx[id(u)] for v in m.b_nodes[j].outputs for u, _ in v.uses() if b_idx.get(id(u)) in b_un_set}
+
+    def fed_by_paired(j: int) -> bool:
+        return all(v is None or v in m.value_b2a or v.producer() is None
+                   or b_idx.get(id(v.producer())) not in b_un_set for v in m.b_nodes[j].inputs)
+
+    b_shared = {j for j in b_un if fed_by_paired(j) and len(b_users(j)) >= 2}
+    uf_b = _UnionFind()
+    for j in b_un:
+        uf_b.find(j)
+        if j in b_shared:
+            continue
+        for v in m.b_nodes[j].outputs:
+            if v in m.value_b2a:
+                continue  # a paired value cuts the graph
+            for user, _ in v.uses():
+                k = b_idx.get(id(user))
+                if k in b_un_set and k not in b_shared:
+                    uf_b.union(j, k)
+    comp_of_b: dict[int, int] = {j: uf_b.find(j) for j in b_un}
+    shared_fed = {j: frozenset(comp_of_b[k] for k in b_users(j) if k not in b_shared) for j in b_shared}
+
+    # 2. which B components each unmatched A node feeds (reverse topological order)
+    reach: dict[int, frozenset[int]] = {}
+    for i in reversed(a_un):
+        acc: set[int] = set()
+        for v in m.a_nodes[i].outputs:
+            if v in a2b_val:
+                p = a2b_val[v].producer()
+                if p is not None and b_idx.get(id(p)) in b_un_set:
+                    acc.add(comp_of_b[b_idx[id(p)]])
+                continue
+            for user, _ in v.uses():
+                k = a_idx.get(id(user))
+                if k in a_un_set:
+                    acc |= reach.get(k, frozenset())
+        reach[i] = frozenset(acc)
+
+    # 3. group: single-component A nodes join it; shared and orphan A nodes group by connectivity
+    uf = _UnionFind()
+    for j in b_un:
+        comp = b_id(comp_of_b[j])
+        uf.find(comp)
+        if j in b_shared and len(shared_fed[j]) >= 2:
+            uf.union(_shared(shared_fed[j]), comp)
+        elif j in b_shared and shared_fed[j]:
+            uf.union(b_id(next(iter(shared_fed[j]))), comp)
+    for i in a_un:
+        if len(reach[i]) == 1:
+            uf.union(b_id(next(iter(reach[i]))), a_id(i))
+        elif reach[i]:
+            uf.union(_shared(reach[i]), a_id(i))  # one region per set of fed components
+        else:
+            uf.find(a_id(i))
+    for i in a_un:
+        if len(reach[i]) == 1:
+            continue
+        for v in m.a_nodes[i].outputs:
+            if v in a2b_val:
+                continue
+            for user, _ in v.uses():
+                k = a_idx.get(id(user))
+                if k in a_un_set and len(reach[k]) != 1 and (len(reach[k]) == 0) == (len(reach[i]) == 0):
+                    uf.union(a_id(i), a_id(k))
+    members: dict[Hashable, tuple[list[int], list[int]]] = collections.defaultdict(lambda: ([], []))
+    for i in a_un:
+        members[uf.find(a_id(i))][0].append(i)
+    for j in b_un:
+        members[uf.find(b_id(comp_of_b[j]))][1].append(j)
+
+    regions: list[Region] = []
+    region_of_comp: dict[int, Region] = {}
+    for an, bn in members.values():
+        an.sort()
+        bn.sort()
+        a_ops = collections.Counter(op_key(m.a_nodes[i]) for i in an)
+        b_ops = collections.Counter(op_key(m.b_nodes[j]) for j in bn)
+        passes = collections.Counter(p for j in bn if (p := pass_of(m.b_nodes[j])))
+        ins, outs = _boundary(m, an, bn)
+        r = Region(0, [a_id(i) for i in an], [b_id(j) for j in bn], dict(a_ops), dict(b_ops), dict(passes), ins, outs)
+        regions.append(r)
+        for j in bn:
+            region_of_comp[comp_of_b[j]] = r
+    regions.sort(key=Region._order)
+    for k, r in enumerate(regions):
+        r.id = k
+    for r in regions:
+        b_in = [n.index for n in r.b_nodes]
+        if any(j not in b_shared for j in b_in):
+            continue  # a region with its own new nodes is not a shared helper
+        fed = set().union(*(reach[n.index] for n in r.a_nodes), *(shared_fed[j] for j in b_in))
+        if fed:
+            targets = sorted({region_of_comp[c].id for c in fed if c in region_of_comp})
+            r.shared_by = targets
+            for t in targets:
+                for p in regions[t].passes:
+                    r.passes.setdefault(p, 0)
+    return regions
+
+
+def _boundary(m: Matching, an: list[int], bn: list[int]) -> tuple[list[str], list[str]]:
+    """Values read from outside and values used outside the region (A names where paired)."""
+    ins: list[str] = []
+    outs: list[str] = []
+
+    def add(lst: list[str], name: str | None) -> None:
+        if name and name not in lst:
+            lst.append(name)
+
+    def a_name(v: ir.Value, side: Side) -> str | None:
+        return m.value_b2a[v].name if side is Side.B and v in m.value_b2a else v.name
+
+    for side, idxs in ((Side.A, an), (Side.B, bn)):
+        nodes = [m.nodes(side)[k] for k in idxs]
+        inside = {id(n) for n in nodes}
+        for n in nodes:
+            for v in n.inputs:
+                if v is None or v.is_initializer() or v.const_value is not None:
+                    continue
+                p = v.producer()
+                if p is None or id(p) not in inside:
+                    add(ins, a_name(v, side))
+            for v in n.outputs:
+                if v.is_graph_output() or any(id(u) not in inside for u, _ in v.uses()):
+                    add(outs, a_name(v, side))
+    return ins, outs

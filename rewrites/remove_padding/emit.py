@@ -1,0 +1,300 @@
+"""The rewrite of ``remove-padding``: builds the packed graph a ``Plan`` describes.
+
+Each planned step becomes its packed twin (a copy of the op on packed inputs, or for fused ops a
+packed formulation: EmbedLayerNormalization as Gathers + norm, attention as PackedMultiHeadAttention
+or MultiHeadAttention per length group). Readers of a packed value outside the plan get its unpacked
+form, a padded ``Shape``, or (an unfused-by-design Attention) a packed QKV projection with
+MultiHeadAttention on the unpacked Q/K/V. Graph outputs are unpacked with zeros at padded positions,
+or returned as real-token rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt.contrib import (
+    MS_DOMAIN,
+    attention_attributes,
+    attention_input_list,
+    attention_inputs,
+    embed_inputs,
+)
+
+from .index import GroupIndex, PackedAttentionIndex, PackIndex, const_ints
+from .plan import AttentionStrategy, Mode, Plan, Step, splittable_attention
+from .probe import Dim
+
+#: additive bias of filler key slots in grouped attention (exp underflows to exactly 0)
+_FILL = float(np.finfo(np.float32).min)
+
+
+def rewrite(model: ir.Model, plan: Plan, *, packed_output: bool, sum_norm: bool) -> None:
+    """Rewrite ``model`` in place as ``plan`` says.
+
+    ``packed_output``: graph outputs are ``[N, ...]`` real-token rows instead of ``[B, S, ...]``;
+    ``sum_norm``: a packed EmbedLayerNormalization ends in Sum + LayerNormalization (the CPU form).
+    """
+    graph = model.graph
+    tape = ir.tape.Tape()
+    index = PackIndex(tape, plan.mask)
+    attention = _Attention(tape, index, plan, graph)
+    twin: dict[int, ir.Value] = {}
+    new_nodes: list[ir.Node] = []
+    for step in plan.steps:
+        inputs = _packed_inputs(step, index, twin)
+        node = step.node
+        if node.domain == MS_DOMAIN and node.op_type == "EmbedLayerNormalization":
+            outs = _emit_embed(tape, index, node, inputs, sum_norm=sum_norm)
+        elif step.attention is not None:
+            outs = [attention.emit(step, inputs)]
+        else:
+            new = ir.Node(
+                node.domain,
+                node.op_type,
+                inputs,
+                attributes=list(node.attributes.values()),
+                num_outputs=len(node.outputs),
+                version=node.version,
+                name=f"{node.name}_packed" if node.name else None,
+            )
+            new_nodes.append(new)
+            outs = list(new.outputs)
+        for old_out, new_out in zip(node.outputs, outs):
+            if new_out is None:
+                continue
+            if old_out.name:
+                new_out.name = f"{old_out.name}_packed"
+            new_out.type = old_out.type
+            twin[id(old_out)] = new_out
+    removed = [s.node for s in plan.steps] + _reconnect_readers(tape, index, plan, twin)
+    _replace_graph_outputs(graph, index, plan, twin, packed_output)
+    graph.extend(list(tape.nodes) + new_nodes)
+    graph.remove(removed, safe=True)
+    _dedupe_names(graph)
+    graph.sort()
+
+
+def _packed_inputs(step: Step, index: PackIndex, twin: dict[int, ir.Value]) -> list[ir.Value | None]:
+    inputs: list[ir.Value | None] = []
+    for x, mode, lead in zip(step.node.inputs, step.modes, step.entries):
+        if x is None or mode in (Mode.PARAM, Mode.SKIP):
+            inputs.append(x)
+        elif id(x) in twin:
+            inputs.append(twin[id(x)])
+        else:
+            inputs.append(x if lead is None else index.pack(x, lead))
+    return inputs
+
+
+def _reconnect_readers(tape: ir.tape.Tape, index: PackIndex, plan: Plan, twin: dict[int, ir.Value]) -> list[ir.Node]:
+    """Readers outside the plan read the unpacked (or reshaped) form; returns the nodes they replace."""
+    removed: list[ir.Node] = []
+    packed_set = {id(s.node) for s in plan.steps}
+    for step in plan.steps:
+        for out in step.node.outputs:
+            unpacked = None
+            rank = plan.labels.rank(out)
+            for user, idx in list(out.uses()):
+                if id(user) in packed_set:
+                    continue
+                if id(out) not in twin:  # EmbedLayerNormalization's mask_index
+                    user.replace_input_with(idx, _mask_index(tape, step.node))
+                    continue
+                if idx == 0 and splittable_attention(user, plan.labels):
+                    mha = _emit_split_attention(tape, index, user, twin[id(out)], plan)
+                    user.outputs[0].replace_all_uses_with(mha)
+                    removed.append(user)
+                    continue
+                if user.op_type == "Shape" and not user.domain:
+                    shape = index.padded_shape(twin[id(out)])
+                    start, end = user.attributes.get_int("start"), user.attributes.get_int("end")
+                    if start is not None or end is not None:
+                        s = const_ints(tape, [start or 0])
+                        e = const_ints(tape, [end if end is not None else rank])
+                        shape = tape.op("Slice", [shape, s, e])
+                    user.outputs[0].replace_all_uses_with(shape)
+                    removed.append(user)
+                    continue
+                if unpacked is None:
+                    unpacked = index.unpack(twin[id(out)], name=f"{out.name}_unpacked")
+                user.replace_input_with(idx, unpacked)
+    return removed
+
+
+def _replace_graph_outputs(graph: ir.Graph, index: PackIndex, plan: Plan, twin: dict[int, ir.Value],
+                           packed_output: bool) -> None:
+    for i, out in enumerate(list(graph.outputs)):
+        if id(out) not in twin:
+            continue
+        p = twin[id(out)]
+        rank = plan.labels.rank(out)
+        name, out.name = out.name, f"{out.name}_padded"
+        if packed_output:
+            final = index.real_rows(p)
+            rest = list(out.shape.dims[2:]) if out.shape is not None else [None] * (rank - 2)
+            final.shape = ir.Shape(["total_tokens", *rest])
+        else:
+            final = index.unpack_zeros(p, rank, out.dtype)
+            final.shape = out.shape
+        final.type = out.type
+        final.name = name
+        graph.outputs[i] = final
+
+
+def _dedupe_names(graph: ir.Graph) -> None:
+    """Rename values whose name is taken by an earlier one (new values come last: they get the suffix).
+
+    Graph inputs, initializers and graph outputs keep their names.
+    """
+    outputs = {id(v) for v in graph.outputs}
+    seen = {v.name for v in graph.inputs} | set(graph.initializers) | {v.name for v in graph.outputs}
+    for node in graph:
+        for out in node.outputs:
+            if not out.name or id(out) in outputs:
+                continue
+            if out.name in seen:
+                k = 1
+                while f"{out.name}_{k}" in seen:
+                    k += 1
+                out.name = f"{out.name}_{k}"
+            seen.add(out.name)
+
+
+# ------------------------------------------------------------------ embeddings
+
+def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: list, sum_norm: bool = False) -> list:
+    """Packed EmbedLayerNormalization as Gathers + SkipLayerNormalization: [output, None, embedding_sum].
+
+    With ``sum_norm`` (CPU) the norm is ``Sum`` + ``LayerNormalization`` instead.
+
+    The last embedding term is the SkipLayerNormalization's skip input, so the packed graph stays
+    fused. When the embedding sum (third output) is read, Add + LayerNormalization keep it explicit.
+    ``inputs`` are the node's inputs as the packed op reads them (ids, segments, positions packed).
+    """
+    e = embed_inputs(node, inputs)
+    pos_ids = e.position_ids if e.position_ids is not None else index.idx_s
+    x = tape.op("Gather", [e.word_embedding, e.input_ids])
+    skip = tape.op("Gather", [e.position_embedding, pos_ids])
+    if e.segment_ids is not None and e.segment_embedding is not None:
+        x, skip = tape.op("Add", [x, skip]), tape.op("Gather", [e.segment_embedding, e.segment_ids])
+    eps = node.attributes.get_float("epsilon", 1e-12)
+    norm_inputs = [e.gamma, e.beta]
+    sum_out = node.outputs[2] if len(node.outputs) > 2 else None
+    if sum_out is not None and (sum_out.uses() or sum_out.is_graph_output()):
+        total = tape.op("Add", [x, skip])
+        out = tape.op("LayerNormalization", [total, *norm_inputs], {"axis": -1, "epsilon": eps})
+    elif sum_norm:
+        total = None
+        out = tape.op("LayerNormalization", [tape.op("Sum", [x, skip]), *norm_inputs], {"axis": -1, "epsilon": eps})
+    else:
+        total = None
+        out = tape.op("SkipLayerNormalization", [x, skip, *norm_inputs], {"epsilon": eps}, domain=MS_DOMAIN)
+    outs: list = [out, None, total]
+    return outs[: len(node.outputs)]
+
+
+def _mask_index(tape: ir.tape.Tape, node: ir.Node) -> ir.Value:
+    """mask_index (mask_index_type 1) of an EmbedLayerNormalization: real tokens per row, int32."""
+    mask = tape.op("Cast", [embed_inputs(node).mask], {"to": ir.DataType.INT32})
+    return tape.op("ReduceSum", [mask, const_ints(tape, [1])], {"keepdims": 0})
+
+
+# ------------------------------------------------------------------ attention
+
+class _Attention:
+    """Emits fused attention on packed tokens; the group / packed-attention indexes are built on first use."""
+
+    def __init__(self, tape: ir.tape.Tape, index: PackIndex, plan: Plan, graph: ir.Graph):
+        self.tape, self.index, self.plan, self.graph = tape, index, plan, graph
+        self._groups: GroupIndex | None = None
+        self._packed: PackedAttentionIndex | None = None
+
+    def emit(self, step: Step, inputs: list[ir.Value | None]) -> ir.Value:
+        """The packed ``[1, N+1, Hv]`` context of a planned attention step."""
+        node, t = step.node, self.tape
+        attrs = attention_attributes(node)
+        if step.attention is AttentionStrategy.PACKED:
+            if self._packed is None:
+                self._packed = PackedAttentionIndex(t, self.index)
+            q, k, v, bias, _, _ = self._packed_qkv(node, inputs)
+            rows = [t.op("Squeeze", [x, const_ints(t, [0])]) for x in (q, k, v)]
+            ins = attention_input_list("PackedMultiHeadAttention", query=rows[0], key=rows[1], value=rows[2],
+                                       bias=bias, token_offset=self._packed.token_offset,
+                                       cumulative_sequence_length=self._packed.cumulative_sequence_length)
+            out = t.op("PackedMultiHeadAttention", ins, attrs.for_mha("scale"), domain=MS_DOMAIN)
+            out.name = f"{node.outputs[0].name}_packed_mha"
+            return t.op("Unsqueeze", [out, const_ints(t, [0])])
+        if self._groups is None:
+            self._groups = GroupIndex(t, self.index, self.plan.groups)
+        groups = self._groups
+        q, k, v, bias, kpm, attn_bias = self._packed_qkv(node, inputs)
+        if kpm is None and attn_bias is None:
+            raise AssertionError("the plan admits only masked attention")
+        hv = self.plan.labels(node.outputs[0])[2]
+        lead_batch = attn_bias is not None and self.plan.labels(attn_bias)[0] == Dim.B
+        parts = []
+        for g in range(groups.groups):
+            ins = attention_input_list(
+                "MultiHeadAttention", query=groups.gather(q, g), key=groups.gather(k, g),
+                value=groups.gather(v, g), bias=bias,
+                key_padding_mask=groups.key_mask(kpm, g) if kpm is not None else None,
+                attention_bias=groups.attention_bias(attn_bias, lead_batch, g, _FILL) if attn_bias is not None else None)
+            out = t.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS_DOMAIN)
+            parts.append(t.op("Reshape", [out, const_ints(t, [-1, int(hv)])]))
+        flat = t.op("Concat", parts, {"axis": 0}) if len(parts) > 1 else parts[0]
+        return t.op("Gather", [flat, groups.inverse], {"axis": 0})
+
+    def _packed_qkv(self, node: ir.Node, inputs: list[ir.Value | None]) -> tuple:
+        """Packed (q, k, v, projection bias, key padding mask, attention bias) of an attention step."""
+        a = attention_inputs(node, inputs)  # the packed inputs, read by name
+        if node.op_type != "Attention":
+            return a.query, a.key, a.value, a.bias, a.key_padding_mask, a.attention_bias
+        # three MatMuls on column slices of the weights (folded by ORT) instead of MatMul + Split copies;
+        # the projection bias goes to MultiHeadAttention, which adds it while it re-lays Q/K/V.
+        # constant weights are split into three initializers, so later passes (quantize) see plain
+        # MatMul(x, W) with a constant W
+        t, weights = self.tape, a.weights
+        sizes = attention_attributes(node).qkv_sizes(int(self.plan.labels(weights)[1]))
+        w_all = weights.const_value.numpy() if weights.const_value is not None else None
+        projections = []
+        for i, (lo, hi) in enumerate(((0, sizes[0]), (sizes[0], sizes[0] + sizes[1]),
+                                      (sizes[0] + sizes[1], sum(sizes)))):
+            if w_all is not None:
+                w = _slice_initializer(self.graph, weights, "qkv"[i], np.ascontiguousarray(w_all[:, lo:hi]))
+            else:
+                w = t.op("Slice", [weights, const_ints(t, [lo]), const_ints(t, [hi]), const_ints(t, [1])])
+            projections.append(t.op("MatMul", [a.input, w]))
+        q, k, v = projections
+        return q, k, v, a.bias, a.mask_index, a.attention_bias
+
+
+def _emit_split_attention(
+    tape: ir.tape.Tape, index: PackIndex, node: ir.Node, packed_x: ir.Value, plan: Plan
+) -> ir.Value:
+    """Attention(x, W, b, mask, -, bias) -> MHA(unpack(q), unpack(k), unpack(v), mask, bias) with a packed QKV MatMul."""
+    a = attention_inputs(node)
+    attrs = attention_attributes(node)
+    qkv = tape.op("MatMul", [packed_x, a.weights])
+    if a.bias is not None:
+        qkv = tape.op("Add", [qkv, a.bias])
+    sizes = attrs.qkv_sizes(int(plan.labels(a.weights)[1]))
+    q, k, v = tape.op_multi_out("Split", [qkv, const_ints(tape, sizes)], {"axis": -1}, num_outputs=3)
+    ins = attention_input_list("MultiHeadAttention", query=index.unpack(q), key=index.unpack(k),
+                               value=index.unpack(v), key_padding_mask=a.mask_index, attention_bias=a.attention_bias)
+    out = tape.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS_DOMAIN)
+    out.name = f"{node.outputs[0].name}_mha"
+    return out
+
+
+def _slice_initializer(graph: ir.Graph, weights: ir.Value, part: str, array: np.ndarray) -> ir.Value:
+    """A new initializer holding ``array`` (a column slice of ``weights``), with a unique name."""
+    base = f"{weights.name}_{part}"
+    name, i = base, 0
+    while name in graph.initializers:
+        i += 1
+        name = f"{base}_{i}"
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(weights.dtype),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
