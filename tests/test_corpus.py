@@ -8,8 +8,9 @@ skips it, with the install command, elsewhere.
 
 For every model: optimize with the default recipe through the Python API (feeds generated from the
 signature, as a user with no data gets) and through the CLI (with ``--calib`` real-looking feeds, and
-with ``--input-shape``/``--input-value`` hints); the run must succeed with numeric verification, the
-output must load in a plain ONNX Runtime session and match the original on real-looking input.
+with ``--input-shape``/``--input-value`` hints); the run must succeed with numeric verification and no
+pass rolled back (``--strict``), the output must load in a plain ONNX Runtime session and match the
+original on real-looking input.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ def test_default_recipe_api_generated_feeds(entry, tmp_path):
     res = pipeline.optimize(src)
     assert res.ok, [(p.name, p.error) for p in res.report.failed()]
     rep = res.report
+    # no pass rolled back (the recipe would go on without it and the run still succeed)
+    assert [(p.name, p.status) for p in rep.passes if p.status != "ok"] == [], [p.error for p in rep.passes]
+    assert rep.numerics == "verified", rep.numerics
     assert rep.verify == "numeric" and rep.feeds not in ("", "none", "no feeds"), rep.feeds
     changed = [p for p in rep.passes if p.modified]
     assert all(p.verification.get("level") == "numeric" for p in changed), [p.verification for p in changed]
@@ -135,7 +139,7 @@ def test_default_recipe_cli_real_feeds(entry, run_cli, tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / "opt.onnx"
-    code, _, err = run_cli("optimize", src, "-o", out, "--calib", feed_dir, "-q")
+    code, _, err = run_cli("optimize", src, "-o", out, "--calib", feed_dir, "--strict", "-q")
     assert code == 0, err
     assert _leftovers(out_dir, {"opt.onnx"}) == []
     _check_output(src, out, entry)
@@ -146,7 +150,7 @@ def test_default_recipe_cli_input_hints(entry, run_cli, tmp_path):
     """The CLI with the user's shape and value hints (``--input-shape NAME:d,d``, ``--input-value NAME=V``)."""
     src = _locate(entry)
     out = tmp_path / "opt.onnx"
-    args = ["optimize", src, "-o", out, "-q"]
+    args = ["optimize", src, "-o", out, "--strict", "-q"]
     for s in entry.input_shape:
         args += ["--input-shape", s]
     for v in entry.input_value:
