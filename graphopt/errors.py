@@ -49,6 +49,13 @@ class ModelLoadError(GraphoptError):
     """The model file is missing, empty, not ONNX, or its external data is missing."""
 
 
+class MissingFileError(ModelLoadError, UsageError):
+    """A file named on the command line does not exist (or is a folder): a usage error, exit 2, like
+    every missing input (``--calib``, ``--recipe``, ``--tokenizer``, ``--text``, an export source)."""
+
+    exit_code = EXIT_USAGE
+
+
 class ModelSaveError(GraphoptError):
     """The output cannot be written (bad path, output equal to input, ...)."""
 

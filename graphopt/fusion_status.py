@@ -10,12 +10,15 @@ kind        fused                                                   left unfused
 attention   Attention, MultiHeadAttention, GroupQueryAttention,     every Softmax fed (through scale/mask
             PackedAttention, PackedMultiHeadAttention,               ops) by a MatMul; an onnxscript SDPA
             SparseAttention, DecoderMaskedMultiHeadAttention        placeholder
-layer_norm  (Skip)(Simplified)LayerNormalization contrib ops,       ONNX LayerNormalization (or ORT's
-            EmbedLayerNormalization, ONNX LayerNormalization (or     SimplifiedLayerNormalization) fed by
-            ORT's SimplifiedLayerNormalization, which ORT puts in    an Add (a residual that SkipLayerNorm
-            the ONNX domain) not fed by an Add: in particular fed    would absorb); ReduceMean of a
-            by a Sum, ``fuse``'s CPU form of a residual LayerNorm    square/Pow (decomposed LayerNorm or
-            (see rewrites/fuse_residual_norm.py)                     RMSNorm)
+layer_norm  (Skip)(Simplified)LayerNormalization contrib ops,       ReduceMean of a square/Pow (decomposed
+            EmbedLayerNormalization, ONNX LayerNormalization,        LayerNorm or RMSNorm)
+            RMSNormalization (or ORT's SimplifiedLayerNormalization,
+            which ORT puts in the ONNX domain): each is one ORT
+            kernel, also when fed by an Add or by a Sum (``fuse``'s
+            CPU form of a residual LayerNorm, see
+            rewrites/fuse_residual_norm.py); one fed by an Add is
+            also counted in ``layer_norm_after_add`` (on CUDA,
+            SkipLayerNormalization would absorb the Add)
 gelu        Gelu, FastGelu, BiasGelu, QuickGelu (contrib or ONNX)   Erf, Tanh (the decomposed forms)
 rotary      com.microsoft RotaryEmbedding                           onnxscript's RotaryEmbedding placeholder
                                                                     (domain ``ai.onnxruntime._fusion``, a
@@ -28,6 +31,10 @@ attention (``SDPA``) or rotary.
 
 ``fully_fused`` is true when nothing is left unfused in any kind (a model without attention counts as
 fully fused in that kind).
+
+``fused_ops`` counts the fused ops of each kind; ``attention_layers`` says how many attention layers the
+fused attention kernels make: remove-padding runs each layer's attention as one kernel per length group
+(the kernels of a layer feed one ``Concat``), so 48 kernels can be 6 layers x 8 length groups.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ _NORM_OPS = {
 }
 _GELU_OPS = {"Gelu", "FastGelu", "BiasGelu", "QuickGelu"}
 _SCORE_OPS = {"Add", "Mul", "Div", "Where", "Cast", "Sub"}
+#: ops between a grouped attention kernel and the Concat that joins a layer's groups
+_LAYOUT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 
 
 def _label(node: ir.Node) -> str:
@@ -90,14 +99,58 @@ def _is_square(value: ir.Value | None) -> bool:
     return node.op_type == "Mul" and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]
 
 
+def _attention_layer(node: ir.Node) -> int:
+    """The id of the attention layer of a fused attention kernel: the ``Concat`` its output reaches
+    through layout ops when remove-padding split the layer into length groups, else the node itself."""
+    value = node.outputs[0] if node.outputs else None
+    for _ in range(4):
+        uses = list(value.uses()) if value is not None else []
+        if len(uses) != 1:
+            break
+        user = uses[0].node
+        if user.op_type == "Concat" and user.domain == "":
+            return id(user)
+        if user.op_type not in _LAYOUT_OPS or not user.outputs:
+            break
+        value = user.outputs[0]
+    return id(node)
+
+
+def _attention_layers(kernels: list[ir.Node]) -> dict | None:
+    """``{"layers", "kernels", "groups_per_layer"}`` of the fused attention kernels, or None without any.
+
+    ``groups_per_layer`` is an int when every layer has the same number of length groups (1: one
+    kernel per layer), else the sorted distinct counts."""
+    if not kernels:
+        return None
+    per_layer: dict[int, int] = {}
+    for n in kernels:
+        key = _attention_layer(n)
+        per_layer[key] = per_layer.get(key, 0) + 1
+    counts = sorted(set(per_layer.values()))
+    return {"layers": len(per_layer), "kernels": len(kernels),
+            "groups_per_layer": counts[0] if len(counts) == 1 else counts}
+
+
 def fusion_status(model: ir.Model) -> dict:
     """Counts of fused and unfused attention / LayerNorm / GELU sites and ``fully_fused``.
 
     Returns ``{"attention": {"fused", "unfused", "unfused_nodes"}, "layer_norm": {...},
-    "gelu": {...}, "ops": {contrib op: count}, "fully_fused": bool}``.
+    "gelu": {...}, "rotary": {...}, "ops": {contrib op: count}, "fused_ops": {kind: {op: count}},
+    "attention_layers": {"layers", "kernels", "groups_per_layer"} | None, "layer_norm_after_add": int,
+    "fully_fused": bool}``.
     """
     kinds = {k: {"fused": 0, "unfused": 0, "unfused_nodes": []} for k in ("attention", "layer_norm", "gelu", "rotary")}
     ops: dict[str, int] = {}
+    fused_ops: dict[str, dict[str, int]] = {k: {} for k in kinds}
+    kernels: list[ir.Node] = []
+    after_add = 0
+
+    def fused(kind: str, node: ir.Node) -> None:
+        kinds[kind]["fused"] += 1
+        fused_ops[kind][node.op_type] = fused_ops[kind].get(node.op_type, 0) + 1
+        if kind == "attention":
+            kernels.append(node)
 
     def unfused(kind: str, node: ir.Node) -> None:
         kinds[kind]["unfused"] += 1
@@ -110,27 +163,25 @@ def fusion_status(model: ir.Model) -> dict:
             unfused("rotary" if op == "RotaryEmbedding" else "attention", node)
             continue
         if op == "RotaryEmbedding" and node.domain == MS_DOMAIN:
-            kinds["rotary"]["fused"] += 1
+            fused("rotary", node)
         elif op in _ATTENTION_OPS and node.domain == MS_DOMAIN:
-            kinds["attention"]["fused"] += 1
+            fused("attention", node)
         elif op == "Attention" and node.domain == "":  # ONNX opset 23 Attention
-            kinds["attention"]["fused"] += 1
+            fused("attention", node)
         elif op == "SDPA":
             unfused("attention", node)
         elif op == "Softmax" and node.domain == "" and _fed_by_matmul(node.inputs[0]):
             unfused("attention", node)
         elif op in _NORM_OPS and node.domain == MS_DOMAIN:
-            kinds["layer_norm"]["fused"] += 1
+            fused("layer_norm", node)
         elif op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization") and node.domain == "":
+            fused("layer_norm", node)  # ORT's own kernel, whatever feeds it
             src = node.inputs[0].producer() if node.inputs[0] is not None else None
-            if src is not None and src.op_type == "Add" and src.domain == "":
-                unfused("layer_norm", node)
-            else:
-                kinds["layer_norm"]["fused"] += 1
+            after_add += src is not None and src.op_type == "Add" and src.domain == ""
         elif op == "ReduceMean" and node.domain == "" and _is_square(node.inputs[0]):
             unfused("layer_norm", node)
         elif op in _GELU_OPS and contrib:
-            kinds["gelu"]["fused"] += 1
+            fused("gelu", node)
         elif op in ("Erf", "Tanh") and node.domain == "":
             unfused("gelu", node)
         else:
@@ -139,5 +190,32 @@ def fusion_status(model: ir.Model) -> dict:
             ops[op] = ops.get(op, 0) + 1
     out: dict = dict(kinds)
     out["ops"] = dict(sorted(ops.items()))
+    out["fused_ops"] = {k: dict(sorted(v.items())) for k, v in fused_ops.items()}
+    out["attention_layers"] = _attention_layers(kernels)
+    out["layer_norm_after_add"] = after_add
     out["fully_fused"] = all(k["unfused"] == 0 for k in kinds.values())
     return out
+
+
+def describe(status: dict) -> list[dict]:
+    """One row per kind for display: ``{"kind", "fused", "unfused", "detail"}``; ``detail`` names the fused
+    ops and, for attention, the layers (``6 layers x 8 length groups`` after remove-padding)."""
+    rows = []
+    for kind in ("attention", "layer_norm", "gelu", "rotary"):
+        s = status[kind]
+        parts = [", ".join(f"{op} {n}" for op, n in status.get("fused_ops", {}).get(kind, {}).items())]
+        layers = status.get("attention_layers")
+        if kind == "attention" and layers:
+            groups = layers["groups_per_layer"]
+            if groups != 1:
+                g = groups if isinstance(groups, int) else "/".join(map(str, groups))
+                parts.append(f"{layers['layers']} layers x {g} length groups (remove-padding: one kernel per "
+                             "group of similar lengths)")
+        if kind == "layer_norm" and status.get("layer_norm_after_add"):
+            parts.append(f"{status['layer_norm_after_add']} after an Add (SkipLayerNormalization on CUDA)")
+        if s["unfused"]:
+            more = f" +{s['unfused'] - 3}" if s["unfused"] > 3 else ""
+            parts.append("unfused: " + ", ".join(s["unfused_nodes"][:3]) + more)
+        rows.append({"kind": kind, "fused": s["fused"], "unfused": s["unfused"],
+                     "detail": "; ".join(p for p in parts if p) or "-"})
+    return rows

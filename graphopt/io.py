@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from graphopt.errors import ModelLoadError, ModelSaveError, first_line
+from graphopt.errors import MissingFileError, ModelLoadError, ModelSaveError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ EXTERNAL_THRESHOLD = 1024
 
 def _check_readable(path: Path) -> None:
     if not path.exists():
-        raise ModelLoadError(f"{path}: no such file", hint="check the path")
+        raise MissingFileError(f"{path}: no such file", hint="check the path")
     if path.is_dir():
-        raise ModelLoadError(f"{path}: is a folder, not an ONNX file")
+        raise MissingFileError(f"{path}: is a folder, not an ONNX file")
     if path.stat().st_size == 0:
         raise ModelLoadError(f"{path}: file is empty", hint="expected an ONNX protobuf (.onnx)")
 

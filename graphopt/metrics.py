@@ -7,7 +7,9 @@ to ``[real_tokens, ...]`` (row-major over batch and position) is compared with t
 tokens.
 
 Metrics (worst over outputs when a model has several):
-``max_abs``, ``max_rel`` (``|a-b| / max(|b|, 1e-6)``), ``cosine`` (mean over samples),
+``max_abs``, ``max_rel`` (``|a-b| / |b|`` over the elements with ``|b|`` at least ``rel_floor``:
+:data:`REL_FLOOR` of the largest ``|b|`` of the output in a feed, so that the rounding of near-zero
+elements does not read as a large relative error), ``cosine`` (mean over samples),
 ``cosine_min``, ``top1`` (argmax agreement along the last axis), ``mismatch`` (fraction of elements
 outside ``atol + rtol*|ref|``).
 """
@@ -25,6 +27,9 @@ import numpy as np
 from graphopt.errors import UsageError
 
 MASK_NAMES = ("attention_mask", "input_mask", "mask")
+#: ``max_rel`` only counts elements whose ``|reference|`` is at least this fraction of the output's
+#: largest ``|reference|`` in the same feed (the floor used is ``OutputDiff.rel_floor``)
+REL_FLOOR = 0.01
 
 #: metric -> True when larger is better
 METRICS: dict[str, bool] = {
@@ -44,6 +49,8 @@ class OutputDiff:
     name: str
     max_abs: float = 0.0
     max_rel: float = 0.0
+    #: ``max_rel`` is over elements with ``|reference| >= rel_floor`` (the largest floor over feeds)
+    rel_floor: float = 0.0
     cosine: float = 1.0
     cosine_min: float = 1.0
     top1: float = 1.0
@@ -163,7 +170,7 @@ class _Accumulator:
             diff = np.where(np.isposinf(g_) & np.isposinf(r_) | np.isneginf(g_) & np.isneginf(r_), 0.0, diff)
         diff = np.where(nan_mismatch, np.inf, diff)
         d.max_abs = max(d.max_abs, float(np.max(diff)))
-        d.max_rel = max(d.max_rel, float(np.max(diff / np.maximum(np.abs(r_), 1e-6))))
+        d.max_rel = max(d.max_rel, self._max_rel(diff, np.abs(r_), nan_mismatch))
         self.mismatched += int(np.count_nonzero(~(diff <= self.atol + self.rtol * np.abs(r_))))
         self.elements += diff.size
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -179,6 +186,16 @@ class _Accumulator:
             self.top1_hits += int(np.sum(np.argmax(g_, axis=-1) == np.argmax(r_, axis=-1)))
         else:
             self.top1_hits += g.shape[0]
+
+    def _max_rel(self, diff: np.ndarray, mag: np.ndarray, nan_mismatch: np.ndarray) -> float:
+        """Largest ``diff / |ref|`` over elements with ``|ref|`` at least REL_FLOOR of this feed's largest."""
+        if np.any(nan_mismatch):
+            return math.inf
+        finite = mag[np.isfinite(mag)]
+        floor = REL_FLOOR * float(finite.max()) if finite.size else 0.0
+        self.d.rel_floor = max(self.d.rel_floor, floor)
+        keep = np.isfinite(mag) & (mag >= floor) & (mag > 0)
+        return float(np.max(diff[keep] / mag[keep])) if np.any(keep) else 0.0
 
     def result(self) -> OutputDiff:
         d = self.d

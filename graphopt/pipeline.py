@@ -2,8 +2,8 @@
 
 For every step: clone the last good model, run the pass on the clone with a read-only
 :class:`~graphopt.registry.PassContext`, read what it reports from its
-:class:`~graphopt.registry.PassResult`, tag the nodes it created (``graphopt.PASS_TAG``), verify
-(structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
+:class:`~graphopt.registry.PassResult`, record the provenance of the nodes it created
+(:mod:`graphopt.provenance`), verify (structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
 passes, against the input model's outputs under the budget for lossy ones).
 
 A failed pass is rolled back and recorded. After a lossless pass the recipe goes on without it (a
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import PASS_TAG, io, registry, standins
 from graphopt import feeds as feeds_mod
+from graphopt import io, provenance, registry, standins
 from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, parse_budget
@@ -48,20 +48,14 @@ class Result:
         return self.report.ok
 
 
-def _node_ids(model: ir.Model) -> set[int]:
-    ids = {id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
-    for f in model.functions.values():
-        ids.update(id(n) for n in f)
-    return ids
+def _node_ids(model: ir.Model) -> provenance.Snapshot:
+    """The nodes before a pass (``id(node) in`` it), for :func:`_tag_new_nodes`."""
+    return provenance.snapshot(model)
 
 
-def _tag_new_nodes(model: ir.Model, before: set[int], pass_name: str) -> int:
-    n_new = 0
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if id(node) not in before:
-            node.metadata_props.setdefault(PASS_TAG, pass_name)
-            n_new += 1
-    return n_new
+def _tag_new_nodes(model: ir.Model, before: provenance.Snapshot, pass_name: str) -> int:
+    """Write the provenance (pass, chain, kept names) of the nodes the pass created; see graphopt.provenance."""
+    return provenance.record(model, before, pass_name)
 
 
 def optimize(

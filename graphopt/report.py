@@ -102,14 +102,13 @@ class Report:
         io.write_atomic(path, self.to_json())
 
     def render(self, console=None) -> None:
-        """Print the per-pass table with rich."""
-        from rich.console import Console
-        from rich.table import Table
+        """Print the per-pass table with rich (headers and pass names never split, see ``graphopt.cli.console``)."""
+        from graphopt.cli.console import make_console, table
 
-        console = console or Console()
-        t = Table(title=f"graphopt optimize: {self.input}", title_justify="left")
-        for col in ("pass", "status", "modified", "s", "nodes", "op delta", "verification"):
-            t.add_column(col, overflow="fold")
+        console = console or make_console()
+        t = table(f"graphopt optimize: {self.input}",
+                  [("pass", {"no_wrap": True}), ("status", {"no_wrap": True}), "modified", ("s", {"justify": "right"}), "nodes",
+                   "op delta", "verification"])
         for p in self.passes:
             # largest changes first; the domain is dropped for display (the JSON report keeps it)
             top = sorted(p.op_delta.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:4]

@@ -60,6 +60,21 @@ def place_dir(build, dst: Path) -> Path:
     return dst
 
 
+def place_random_model(cls, config, dst: Path, seed: int) -> Path:
+    """Save ``cls.from_config(config)`` (eager attention, weights from ``seed``) as an HF folder at ``dst``."""
+    import torch
+    import transformers
+
+    def write(tmp: Path) -> None:
+        transformers.utils.logging.disable_progress_bar()
+        torch.manual_seed(seed)
+        model = cls.from_config(config, attn_implementation="eager")
+        model.config._attn_implementation = None  # let the exporter pick
+        model.eval().save_pretrained(tmp)
+
+    return place_dir(write, dst)
+
+
 def export_cached(src, name: str, *, task: str, exporter: str = "dynamo", attn: str | None = None,
                   cache: str | os.PathLike | None = None, force: bool = False, **kw) -> Path:
     """``graphopt.exporters.export`` into ``cache/name.onnx`` unless it is there already."""

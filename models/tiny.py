@@ -71,7 +71,6 @@ def _head(family: str, task: str) -> str:
 
 def build_folder(family: str, task: str, cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """The HF folder (config.json + model.safetensors) of ``family`` with the head ``task`` needs."""
-    import torch
     import transformers
 
     from graphopt.exporters.tasks import get_task
@@ -87,16 +86,7 @@ def build_folder(family: str, task: str, cache_dir: str | os.PathLike | None = N
         config.num_labels = 5
     else:
         config = make_config(family)
-    cls = getattr(transformers, get_task(task).auto_class)
-
-    def write(tmp: Path) -> None:
-        transformers.utils.logging.disable_progress_bar()
-        torch.manual_seed(SEED)
-        model = cls.from_config(config, attn_implementation="eager")
-        model.config._attn_implementation = None  # let the exporter pick
-        model.eval().save_pretrained(tmp)
-
-    return _build.place_dir(write, dst)
+    return _build.place_random_model(getattr(transformers, get_task(task).auto_class), config, dst, SEED)
 
 
 def build(family: str, task: str, exporter: str = "dynamo", cache_dir: str | os.PathLike | None = None,

@@ -20,8 +20,9 @@ it (every refusal has a reason, shown by ``--explain fuse``) and rewrites it wit
                                                        ──▶ EmbedLayerNormalization (see fuse_embed_layernorm)
     rotary with positions start + 0..S-1               ──▶ RotaryEmbedding with a run-time cos/sin cache
                                                            (see fuse_rotary_cache)
-    RMSNorm / SkipRMSNorm / RotaryEmbedding / GQA      ──▶ (Skip)SimplifiedLayerNormalization, RotaryEmbedding,
-                                                           GroupQueryAttention (decoders)
+    RMSNorm / SkipRMSNorm / RotaryEmbedding / GQA      ──▶ RMSNormalization (opset >= 23; see fuse_rms_norm),
+                                                           SkipSimplifiedLayerNormalization, RotaryEmbedding
+                                                           (partial: fuse_rotary_partial), GroupQueryAttention
 
 The attention, layer-norm, GELU, rotary and GQA rules are onnxscript's ``ort_fusions`` (used as a
 dependency); graphopt adds the shape preparation that lets them see TorchScript exports and the
@@ -52,7 +53,7 @@ FUSED_OPS = (
     "GroupQueryAttention",
     "SkipLayerNormalization",
     "SkipSimplifiedLayerNormalization",
-    "SimplifiedLayerNormalization",
+    "RMSNormalization",
     "EmbedLayerNormalization",
     "BiasGelu",
     "FastGelu",
@@ -86,7 +87,6 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
         cos_sin_cache,
         erfgelu,
         gelu,
-        gqa,
         gqa_packed_qkv,
         mha_bias,
         rms_normalization,
@@ -100,10 +100,13 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
     from graphopt.rewrites.fuse_canonical import canonical_rules, shape_rules
     from graphopt.rewrites.fuse_embed_layernorm import embed_layer_norm_rules
     from graphopt.rewrites.fuse_gelu_tanh import tanh_gelu_rules
+    from graphopt.rewrites.fuse_gqa import gqa_rules
     from graphopt.rewrites.fuse_layernorm import layer_norm_rules, layer_norm_scale_rules
     from graphopt.rewrites.fuse_mask_index import MaskIndexStep
     from graphopt.rewrites.fuse_residual_norm import ResidualNormStep
+    from graphopt.rewrites.fuse_rms_norm import RmsNormStep
     from graphopt.rewrites.fuse_rotary_cache import rotary_cache_rules
+    from graphopt.rewrites.fuse_rotary_partial import partial_rotary_rules
 
     def cse(model):
         common_passes.CommonSubexpressionEliminationPass()(model)
@@ -129,7 +132,7 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
             ("cos_sin_cache", cos_sin_cache.cos_sin_cache_rules),
             ("rotary_from_positions", rotary_cache_rules),
             ("cse", cse),
-            ("partial_rotary_embedding", rotary_embedding.partial_embedding_rules),
+            ("partial_rotary_embedding", partial_rotary_rules),
         ]
     if opts.attention:
         steps += [
@@ -138,7 +141,7 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
         if opts.gqa:
             # onnxscript's GQA rule derives per-row lengths from the position ids and drops the
             # attention mask: exact only when every row is right-padded (or unpadded); opt-in
-            steps += [("gqa", gqa.gqa_rules), ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa_rules)]
+            steps += [("gqa", gqa_rules), ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa_rules)]
         steps += [
             ("mha1", fuse_mha.mha_rules_with_past),
             ("mha2", fuse_mha.mha_rules_no_past),
@@ -157,6 +160,9 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
         steps.append(("sdpa_via_mha", sdpa_via_mha_rules))
     if opts.layer_norm and _sum_form(opts, provider):
         steps.append(("residual_norm", ResidualNormStep()))
+    if opts.layer_norm:
+        # ORT's SimplifiedLayerNormalization is no ONNX op: RMSNormalization (opset >= 23) or standard ops
+        steps.append(("rms_normalization_onnx", RmsNormStep()))
     return steps
 
 
@@ -225,7 +231,7 @@ class FusePass(GraphoptPass):
 
     name = "fuse"
     exact = True
-    emits = tuple(f"{MS_DOMAIN}::{op}" for op in FUSED_OPS)
+    emits = tuple(f"{MS_DOMAIN}::{op}" for op in FUSED_OPS if op != "RMSNormalization")
     run_after = ("cleanup",)
 
     def __init__(

@@ -7,7 +7,7 @@ then rewritten to two kernels::
     SkipLayerNormalization(x, skip, gamma[, beta[, bias]])
         ──▶ Sum(x, skip[, bias]) ──▶ LayerNormalization(gamma[, beta], axis=-1)
     SkipSimplifiedLayerNormalization(x, skip, gamma[, bias])
-        ──▶ Sum(x, skip[, bias]) ──▶ SimplifiedLayerNormalization(gamma, axis=-1)
+        ──▶ Sum(x, skip[, bias]) ──▶ RMSNormalization(gamma, axis=-1)        (ONNX opset >= 23)
 
 Why: ONNX Runtime's CPU ``SkipLayerNormalization`` kernel (float) is a scalar loop, while its
 ``LayerNormalization`` kernel is vectorised. Measured on this project's VM with
@@ -22,8 +22,9 @@ rounding order. ``Sum`` broadcasts like the fused op's skip and bias.
 
 The sum output of the fused op (output 3, used by pre-LN models as the next residual) becomes the
 ``Sum`` output. Refuses (node kept) when: the node's mean or inverse-std output (1, 2) is used; the
-model's ONNX opset is below 17 (no ``LayerNormalization``); the node lacks gamma or has an
-``epsilon`` that is not a float. With the CUDA provider the fused ops are kept (ORT's CUDA kernels
+model's ONNX opset is below 17 (no ``LayerNormalization``), or, for the simplified form, below 23 (no
+``RMSNormalization``; ORT's ``SimplifiedLayerNormalization`` sits in the ONNX domain without being an
+ONNX op, so the ONNX checker rejects it); the node lacks gamma or has an ``epsilon`` that is not a float. With the CUDA provider the fused ops are kept (ORT's CUDA kernels
 for them are fused and vectorised; not measured here).
 """
 
@@ -35,9 +36,9 @@ from graphopt.opsets import MS_DOMAIN, default_opset
 
 from ._fuse_step import ReasonedStep
 
-_SKIP_OPS = {"SkipLayerNormalization": "LayerNormalization", "SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization"}
-#: LayerNormalization is an ONNX op from opset 17
-MIN_OPSET = 17
+_SKIP_OPS = {"SkipLayerNormalization": "LayerNormalization", "SkipSimplifiedLayerNormalization": "RMSNormalization"}
+#: LayerNormalization is an ONNX op from opset 17, RMSNormalization from opset 23
+MIN_OPSET = {"SkipLayerNormalization": 17, "SkipSimplifiedLayerNormalization": 23}
 
 
 def _refusal(node: ir.Node, graph: ir.Graph) -> str | None:
@@ -70,12 +71,12 @@ class ResidualNormStep(ReasonedStep):
         sites = [n for n in graph if n.domain == MS_DOMAIN and n.op_type in _SKIP_OPS]
         if not sites:
             return 0
-        if default_opset(model) < MIN_OPSET:
-            self.reasons.append(f"fuse: residual_norm: opset {default_opset(model)} < {MIN_OPSET}: fused ops kept")
-            return 0
+        opset = default_opset(model)
         done = 0
         for node in sites:
             why = _refusal(node, graph)
+            if opset < MIN_OPSET[node.op_type]:
+                why = f"{node.op_type} {node.name!r}: opset {opset} < {MIN_OPSET[node.op_type]} has no {_SKIP_OPS[node.op_type]}"
             if why:
                 self.reasons.append(f"fuse: residual_norm: {why}")
                 continue

@@ -69,12 +69,24 @@ def test_skip_layernorm_to_sum(inputs):
     assert err <= 1e-5
 
 
-def test_skip_simplified_to_sum():
-    model = _model(op="SkipSimplifiedLayerNormalization", inputs=("x", "skip", "gamma", "bias"))
+def test_skip_simplified_to_sum_and_rms_normalization():
+    """At opset 23 the simplified form becomes Sum + the ONNX RMSNormalization (checker-valid)."""
+    model = _model(op="SkipSimplifiedLayerNormalization", inputs=("x", "skip", "gamma", "bias"), opset=23)
     n, _, ops, err = _apply(model)
-    assert n == 1 and ops == {"Sum": 1, "SimplifiedLayerNormalization": 1}, ops
+    assert n == 1 and ops == {"Sum": 1, "RMSNormalization": 1}, ops
+    assert next(node for node in model.graph if node.op_type == "RMSNormalization").domain == ""
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     assert fusion_status(model)["fully_fused"]
     assert err <= 1e-5
+
+
+def test_skip_simplified_kept_below_opset_23():
+    """Below 23 there is no ONNX RMSNormalization (ORT's SimplifiedLayerNormalization is not ONNX): kept fused."""
+    model = _model(op="SkipSimplifiedLayerNormalization", inputs=("x", "skip", "gamma", "bias"), opset=20)
+    n, step, ops, err = _apply(model)
+    assert n == 0 and ops == {"SkipSimplifiedLayerNormalization": 1}, ops
+    assert "opset 20 < 23 has no RMSNormalization" in step.why_not(model)
+    assert err == 0
 
 
 def test_sum_output_kept_for_pre_ln():

@@ -10,8 +10,9 @@ KV cache compute them elementwise from the cache position::
     cos = Unsqueeze(Cos(Concat(f, f, -1)), [1])       sin likewise
     y = RotaryEmbedding[placeholder](x [B, N, S, 2E], cos, sin, interleaved=0)
 
-Rewritten to ``RotaryEmbedding(x, [past_len], cos_cache, sin_cache, interleaved=0)`` (com.microsoft,
-positions given by their start) with caches computed at run time for positions ``0..past_len+S-1``::
+Rewritten to ``RotaryEmbedding(x, [past_len], cos_cache, sin_cache, interleaved=0, num_heads=N)``
+(com.microsoft, positions given by their start; ``num_heads`` when ``N`` is a known int) with caches
+computed at run time for positions ``0..past_len+S-1``::
 
     cos_cache = Cos(Cast(Range(0, past_len + S, 1), float)[:, None] * inv_freq)   ([P, E])
 
@@ -111,7 +112,9 @@ class RotaryFromPositions(pattern.RewriteRuleClassBase):
             start_1 = op.Reshape(start, op.Constant(value_ints=[1]))
             self._caches[key] = (start_1, op.Cos(angles), op.Sin(angles))
         start_1, cos_cache, sin_cache = self._caches[key]
-        return op.RotaryEmbedding(x, start_1, cos_cache, sin_cache, interleaved=0, _domain=MS_DOMAIN)
+        # num_heads kept (ORT requires it once a partial-rotary fusion adds rotary_embedding_dim)
+        heads = {"num_heads": x.shape[1]} if isinstance(x.shape[1], int) else {}
+        return op.RotaryEmbedding(x, start_1, cos_cache, sin_cache, interleaved=0, **heads, _domain=MS_DOMAIN)
 
     def cleanup(self):
         self._caches.clear()

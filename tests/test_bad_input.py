@@ -48,7 +48,7 @@ def test_unreadable_files(run_cli, tmp_path, name, content, message):
 def test_missing_file(run_cli, tmp_path):
     out = tmp_path / "out.onnx"
     code, _, err = run_cli("optimize", tmp_path / "nope.onnx", "-o", out)
-    _assert_clean(code, err, ERROR, out, {})
+    _assert_clean(code, err, USAGE, out, {})
     assert "no such file" in err
 
 
@@ -154,7 +154,7 @@ def test_bad_calib_folder(run_cli, mlp_path, tmp_path):
 
 def test_debug_shows_traceback(run_cli, tmp_path):
     code, _, err = run_cli("--debug", "optimize", tmp_path / "nope.onnx", "-o", tmp_path / "o.onnx")
-    assert code == ERROR and "Traceback" in err
+    assert code == USAGE and "Traceback" in err
 
 
 def test_unknown_provider(run_cli, mlp_path, tmp_path):

@@ -81,7 +81,7 @@ def test_layernorm_fusion_regions(rename_outputs):
         assert region["a_ops"] == LN_OPS and region["b_ops"] == {"LayerNormalization": 1}
         assert region["passes"] == {"fuse": 1}
         assert region["inputs"] == [f"r{k + 1}"] and region["outputs"] == [f"ln{k + 1}"]
-        assert "9 nodes" in region["summary"] and "became 1 (LayerNormalization) by fuse" in region["summary"]
+        assert region["summary"] == "9 nodes (Add×2, ReduceMean×2, Div, Mul, Pow, Sqrt, Sub) became LayerNormalization by fuse"
     assert r.op_histogram["delta"] == {"Add": -4, "Div": -2, "LayerNormalization": 2, "Mul": -2, "Pow": -2,
                                        "ReduceMean": -4, "Sqrt": -2, "Sub": -2}
     assert sorted(x["name"] for x in r.initializers["removed"]) == ["eps", "two"]
@@ -168,9 +168,11 @@ def test_json_schema_is_stable():
     assert list(d) == ["schema_version", "a", "b", "summary", "op_histogram", "regions", "modified",
                        "initializers", "io", "params", "flops", "subgraphs", "graphs", "numeric"]
     region_keys = {"id", "kind", "summary", "a_nodes", "b_nodes", "a_ops", "b_ops", "passes", "inputs", "outputs",
-                   "shared_by"}
+                   "shared_by", "chains"}
     assert set(d["regions"][0]) == region_keys
-    node_keys = {"id", "name", "op", "status", "match", "region", "pass", "changes", "inputs", "outputs"}
+    assert d["regions"][0]["chains"] == {"fuse": 1}
+    assert {"passes", "chains"} <= set(d["summary"])
+    node_keys = {"id", "name", "op", "status", "match", "region", "pass", "chain", "changes", "inputs", "outputs"}
     assert node_keys <= set(d["graphs"]["b"][0])
     assert {"feeds", "atol", "rtol", "compared", "exceeding", "first_divergence", "path", "outputs",
             "outputs_exceeding", "tensors", "node_errors"} == set(d["numeric"])
@@ -225,7 +227,7 @@ def test_cli_json_is_a_flag_and_report_a_file(files, tmp_path, run_cli):
 
 def test_cli_errors(files, tmp_path, run_cli):
     code, _, err = run_cli("diff", files["a"], tmp_path / "missing.onnx")
-    assert code == 1 and "missing.onnx" in err
+    assert code == 2 and "missing.onnx" in err  # a missing input is a usage error everywhere
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     code, _, err = run_cli("diff", bad, files["a"])

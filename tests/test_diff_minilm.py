@@ -81,3 +81,47 @@ def test_minilm_fuse_pass(minilm, tmp_path):
     attn = [g for g in r.regions if "com.microsoft::Attention" in g["b_ops"]]
     assert len({len(g["a_nodes"]) for g in attn}) == 1
     assert r.numeric["first_divergence"] is None or r.numeric["outputs_exceeding"] == []
+
+
+def test_minilm_default_recipe_credits_fuse_and_pairs_nothing_unrelated(minilm, tmp_path):
+    """The default recipe (cleanup, fuse, remove-padding): remove-padding rebuilds every fused op on packed
+    tokens; the diff still credits each to fuse, with the chain, and pairs only what the passes replaced."""
+    from graphopt import pipeline
+
+    path = minilm("dynamo", "sdpa")
+    res = pipeline.optimize(path, verify_level="structure")
+    assert res.ok and [p.name for p in res.report.passes if p.modified] == ["fuse", "remove-padding"]
+    out = io.save(res.model, tmp_path / "opt.onnx")
+    r = diff_models(path, out)
+    by_id = {n["id"]: n for n in r.graphs["b"]}
+
+    # every contrib op was created by fuse and rebuilt by remove-padding
+    contrib = [n for n in r.graphs["b"] if n["op"].startswith("com.microsoft::")]
+    assert collections.Counter(n["op"] for n in contrib) == {"com.microsoft::MultiHeadAttention": 48,
+                                                             "com.microsoft::BiasGelu": 6}
+    assert all(n["pass"] == "fuse" and n["chain"] == ["fuse", "remove-padding"] for n in contrib)
+    for g in r.regions:
+        if any(op.startswith("com.microsoft::") for op in g["b_ops"]):
+            assert g["passes"]["fuse"] >= 1 and g["chains"]["fuse → remove-padding"] >= 1, g["summary"]
+            assert "fuse, rebuilt by remove-padding" in g["summary"] or "fuse (rebuilt by remove-padding)" in g[
+                "summary"], g["summary"]
+
+    # every region that pairs A nodes with B nodes holds a construct fuse made: nothing unrelated paired
+    rewritten = [g for g in r.regions if g["kind"] == "rewritten"]
+    for g in rewritten:
+        assert any(by_id[b]["chain"][:1] == ["fuse"] for b in g["b_nodes"]), g["summary"]
+    gelu = [g for g in rewritten if "com.microsoft::BiasGelu" in g["b_ops"]]
+    assert [g["summary"] for g in gelu] == ["2 nodes (Add, Gelu) became BiasGelu by fuse, rebuilt by remove-padding"] * 6
+    attn = [g for g in rewritten if "com.microsoft::MultiHeadAttention" in g["b_ops"]]
+    assert len(attn) == 6  # one region per layer: its attention became 8 MultiHeadAttention (length groups)
+    assert all(g["b_ops"]["com.microsoft::MultiHeadAttention"] == 8 and g["a_ops"]["Softmax"] == 1 for g in attn)
+    norms = [g for g in rewritten if g["a_ops"] == {"Add": 2, "LayerNormalization": 1}]
+    assert len(norms) == 12 and all(g["b_ops"].get("Sum") == 1 for g in norms)
+    assert len(rewritten) == 6 + 6 + 12 + 1  # + the embeddings
+    # matched pairs are the same op; each one a pass rebuilt says so
+    assert r.summary["matched"] == r.summary["modified"] == 36
+    assert all(m["op"] == "MatMul" and m["changes"][0].startswith("rebuilt by") for m in r.modified)
+    # the packing index remove-padding computes from the mask is one shared, added region
+    index = [g for g in r.regions if g["kind"] == "added" and len(g["b_nodes"]) > 100]
+    assert len(index) == 1 and set(index[0]["passes"]) >= {"remove-padding"} and len(index[0]["shared_by"]) >= 7
+    assert r.summary["passes"]["fuse"] == r.summary["chains"]["fuse → remove-padding"] + r.summary["chains"]["fuse"]

@@ -4,6 +4,7 @@ and their round trip through `graphopt verify --calib` and `graphopt bench --cal
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def test_feeds_sorted_and_truncated(capsys, text_file, tmp_path):
     feeds, _ = _feeds(capsys, text_file, tmp_path / "f", "--batch", "32", "--order", "sorted", "--max-length", "24")
     lengths = np.concatenate([f["attention_mask"].sum(1) for f in feeds])
     assert (np.diff(lengths) >= 0).all() and lengths.max() <= 24
+
+
+def test_feeds_warns_when_the_held_back_split_is_thin(capsys, tmp_path):
+    """42 sentences at --batch 32 make 2 feeds: optimize --calib would check budgets on 10 items."""
+    text = tmp_path / "few.txt"
+    text.write_text("\n".join(f"sentence number {i} about nothing much" for i in range(42)) + "\n")
+    code, out, err = _cli(capsys, "feeds", "--tokenizer", TOKENIZER, "--text", text, "-o", tmp_path / "f")
+    assert code == 0 and "wrote 2 feeds (42 items" in out
+    (line,) = err.strip().splitlines()  # one unwrapped line
+    assert line.startswith("warning: 42 lines make 2 feed(s), too few for a meaningful held-back check")
+    assert "checks budgets on the 1 held back (10 items)" in line and "at least 128 lines" in line
+    code, out, err = _cli(capsys, "feeds", "--tokenizer", TOKENIZER, "--text", text, "-o", tmp_path / "j", "--json")
+    d = json.loads(out)
+    assert code == 0 and (d["feeds"], d["items"]) == (2, 42) and d["warning"] == line.removeprefix("warning: ")
+    text.write_text("\n".join(f"sentence number {i} about nothing much" for i in range(128)) + "\n")
+    code, _, err = _cli(capsys, "feeds", "--tokenizer", TOKENIZER, "--text", text, "-o", tmp_path / "g")
+    assert code == 0 and err == ""  # 4 feeds, 64 items held back
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -30,12 +30,10 @@ def command(
     """
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
     from graphopt import feeds as feeds_mod
     from graphopt import io
     from graphopt.bench import bench_models
+    from graphopt.cli.console import make_console, table
     from graphopt.errors import UsageError
 
     if rounds < 1:
@@ -61,9 +59,10 @@ def command(
     if json_:
         typer.echo(json.dumps({"feeds": feeds_mod.describe(feeds), "threads": threads, "results": rows}, indent=2))
         return
-    t = Table(title=f"graphopt bench ({feeds_mod.describe(feeds)}; {threads} thread(s), interleaved)", title_justify="left")
-    for c in ("model", "p50 ms", "p90 ms", "items/s", "× first"):
-        t.add_column(c, justify="right" if c != "model" else "left")
+    right = {"justify": "right", "no_wrap": True}
+    t = table(f"graphopt bench ({feeds_mod.describe(feeds)}; {threads} thread(s), interleaved)",
+              [("model", {"no_wrap": True}), ("p50 ms", right), ("p90 ms", right), ("items/s", right),
+               ("× first", right)])
     for r in rows:
         t.add_row(r["model"], f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['items_per_s']:.1f}", f"{r['speedup_vs_first']:.3f}")
-    Console().print(t)
+    make_console().print(t)

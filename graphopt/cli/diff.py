@@ -83,9 +83,10 @@ def command(
     if json_:
         typer.echo(result.to_json())
     elif not quiet:
+        from graphopt.cli.console import make_console
         from graphopt.diff import terminal
 
-        terminal.render(result)
+        terminal.render(result, make_console())
         for what, f in (("JSON", report), ("HTML", html_file), ("mapping", mapping_file)):
             if f is not None:
                 typer.echo(f"{what} written to {f}")

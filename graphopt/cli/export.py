@@ -40,11 +40,10 @@ def command(
     json_out: Json = False,
 ) -> None:
     """Export a model to ONNX and check it against PyTorch (exit 3 when it does not match)."""
-    from rich.console import Console
-
+    from graphopt.cli.console import make_console
     from graphopt.exporters import export
 
-    with Console(stderr=True).status(f"exporting {src} ({task}) and checking parity with PyTorch ..."):
+    with make_console(stderr=True).status(f"exporting {src} ({task}) and checking parity with PyTorch ..."):
         result = export(src, output, task=task, exporter=exporter, attn=attn, opset=opset, dtype=dtype, atol=atol)
     if json_out:
         import json
@@ -55,17 +54,15 @@ def command(
 
 
 def _print(result) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from graphopt.cli.console import make_console
+    from graphopt.cli.console import table as make_table
 
-    console = Console(highlight=False)
+    console = make_console()
     p = result.parity
-    table = Table(title=f"parity vs PyTorch (atol {p.atol:g}; feeds: {', '.join(p.feeds)})", title_justify="left")
-    table.add_column("output")
-    table.add_column("max_abs", justify="right")
-    table.add_column("cosine", justify="right")
-    table.add_column("positions", justify="right")
-    table.add_column("ok")
+    right = {"justify": "right"}
+    table = make_table(f"parity vs PyTorch (atol {p.atol:g}; feeds: {', '.join(p.feeds)})",
+                       [("output", {"no_wrap": True}), ("max_abs", right), ("cosine", right), ("positions", right),
+                        "ok"])
     for o in p.outputs:
         table.add_row(o.name, f"{o.max_abs:.3g}", f"{o.cosine:.8f}", str(o.samples), "yes" if o.passed else "NO")
     console.print(table)

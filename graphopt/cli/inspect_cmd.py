@@ -23,21 +23,21 @@ def command(
     """
     import json
 
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
 
+    from graphopt.cli.console import make_console, table
     from graphopt.inspect import inspect_model
 
     info = inspect_model(model, batch=batch, seq=seq)
     if json_:
         typer.echo(json.dumps(info, indent=2, default=str))
         return
-    c = Console()
-    c.print(f"[bold]{model}[/]  IR {info['ir_version']}  producer: {info['producer'] or '-'}")
-    c.print("opsets: " + ", ".join(f"{k} {v}" for k, v in info["opsets"].items()), highlight=False)
+    c = make_console()
+    c.print(f"[bold]{escape(str(model))}[/]  IR {info['ir_version']}  producer: {escape(info['producer'] or '-')}")
+    c.print("opsets: " + ", ".join(f"{k} {v}" for k, v in info["opsets"].items()), markup=False)
     for kind in ("inputs", "outputs"):
         for v in info[kind]:
-            c.print(f"{kind[:-1]:>6} {v['name']}: {v['dtype']} {v['shape']}", highlight=False)
+            c.print(f"{kind[:-1]:>6} {v['name']}: {v['dtype']} {v['shape']}", markup=False)
     if info["overridable_initializers"]:
         c.print(f"{len(info['overridable_initializers'])} initializers are also graph inputs (overridable)")
     c.print(f"nodes: {info['nodes']}   parameters: {info['parameters']:,} ({info['parameter_bytes'] / 2**20:.1f} MiB)")
@@ -46,15 +46,29 @@ def command(
         c.print(f"FLOPs at batch {batch} × seq {seq}: {fl['total'] / 1e9:.3f} G"
                 + (f" ({fl['unknown']} ops with unknown shapes)" if fl.get("unknown") else ""))
     if info["custom_domains"]:
-        c.print("custom domains: " + ", ".join(info["custom_domains"]))
+        c.print("custom domains: " + ", ".join(info["custom_domains"]), markup=False)
     if info["subgraphs"]:
-        c.print(f"subgraphs: {len(info['subgraphs'])} (" + ", ".join(s["owner"] for s in info["subgraphs"][:5]) + ")")
-    fu = info.get("fusion")
-    if isinstance(fu, dict) and "fully_fused" in fu:
-        c.print(f"fully fused: {'yes' if fu['fully_fused'] else 'no'}  {fu}", highlight=False)
-    t = Table(title="ops", title_justify="left")
-    t.add_column("op")
-    t.add_column("count", justify="right")
+        c.print(f"subgraphs: {len(info['subgraphs'])} (" + ", ".join(s["owner"] for s in info["subgraphs"][:5]) + ")",
+                markup=False)
+    _print_fusion(c, info.get("fusion"), table)
+    t = table("ops", [("op", {"no_wrap": True}), ("count", {"justify": "right"})])
     for k, v in info["ops"].items():
         t.add_row(k, str(v))
+    c.print(t)
+
+
+def _print_fusion(c, fu, table) -> None:
+    """The fusion status as a small table: fused/unfused counts per kind and what they are."""
+    from graphopt.fusion_status import describe
+
+    if not isinstance(fu, dict):
+        return
+    if "error" in fu:
+        c.print(f"fusion status unavailable: {fu['error']}", markup=False)
+        return
+    title = "fusion: " + ("fully fused" if fu["fully_fused"] else "not fully fused")
+    t = table(title, [("kind", {"no_wrap": True}), ("fused", {"justify": "right"}),
+                      ("unfused", {"justify": "right"}), "what"])
+    for row in describe(fu):
+        t.add_row(row["kind"], str(row["fused"]), str(row["unfused"]), row["detail"])
     c.print(t)

@@ -1,10 +1,14 @@
 """Entry point: wires the command modules into one typer app and maps errors to exit codes.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 verification failed or budget not met.
+Exit codes: 0 ok, 1 error, 2 usage (an unknown command or option, a bad value, a missing input file or
+folder), 3 verification failed or budget not met. Every failure is one ``error:`` line on stderr, with a
+``hint:`` line when there is a next step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import sys
 
@@ -22,14 +26,26 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-app.command("optimize", no_args_is_help=True, epilog=optimize.EPILOG)(optimize.command)
-app.command("passes")(passes.command)
-app.command("inspect", no_args_is_help=True)(inspect_cmd.command)
-app.command("verify", no_args_is_help=True)(verify.command)
-app.command("bench", no_args_is_help=True)(bench.command)
-app.command("export", no_args_is_help=True)(export.command)
-app.command("feeds", no_args_is_help=True)(feeds.command)
-app.command("diff", no_args_is_help=True)(diff.command)
+
+def _help(fn) -> str:
+    """``fn``'s docstring as help text: paragraphs kept, the line breaks inside a paragraph joined, so
+    that rich rewraps it cleanly at any width (typer keeps them in every paragraph after the first)."""
+    doc = inspect.cleandoc(fn.__doc__ or "")
+    return "\n\n".join(" ".join(line.strip() for line in para.splitlines()) for para in doc.split("\n\n"))
+
+
+def _command(name: str, fn, **kwargs) -> None:
+    app.command(name, help=_help(fn), **kwargs)(fn)
+
+
+_command("optimize", optimize.command, no_args_is_help=True, epilog=optimize.EPILOG)
+_command("passes", passes.command)
+_command("inspect", inspect_cmd.command, no_args_is_help=True)
+_command("verify", verify.command, no_args_is_help=True)
+_command("bench", bench.command, no_args_is_help=True)
+_command("export", export.command, no_args_is_help=True)
+_command("feeds", feeds.command, no_args_is_help=True)
+_command("diff", diff.command, no_args_is_help=True)
 
 _state = {"debug": False}
 
@@ -43,31 +59,68 @@ def _root(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-def _print_error(e: GraphoptError) -> None:
-    from rich.console import Console
+def _print_error(message: str, hint: str | None) -> None:
+    """One ``error:`` line and an optional ``hint:`` line on stderr, never wrapped (``cli.console``)."""
+    from rich.markup import escape
 
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    err.print(f"[bold red]error:[/] {e.message}", markup=True)
-    if e.hint:
-        err.print(f"[dim]hint: {e.hint}[/]", markup=True)
+    from graphopt.cli.console import make_console
+
+    err = make_console(stderr=True, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}")
+    if hint:
+        err.print(f"[dim]hint: {escape(hint)}[/]")
+
+
+def _print_usage_error(e: Exception) -> None:
+    """A click usage error (bad option, missing argument, unknown command) as the one-line error of
+    every other failure, with where to find help."""
+    message = e.format_message()
+    if type(e).__name__ == "NoArgsIsHelpError" or not message.strip():  # no arguments: the help, as click shows it
+        e.show()
+        return
+    ctx = getattr(e, "ctx", None)
+    path = (getattr(ctx, "command_path", "") if ctx is not None else "") or "graphopt"
+    _print_error(message, f"'{path} -h' for help")
 
 
 def _is_usage_error(e: Exception) -> bool:
-    """A usage error of the click that typer (0.2x and later) vendors: it has ``show`` and an exit code,
-    and is not a ``click`` exception."""
+    """A usage error of the click that typer (0.2x and later) vendors: it has ``format_message`` and an
+    exit code, and is not a ``click`` exception."""
     try:
         from typer.exceptions import TyperException
     except ImportError:  # older typer raises click's own exceptions
         return False
-    return isinstance(e, TyperException) and callable(getattr(e, "show", None)) and isinstance(
+    return isinstance(e, TyperException) and callable(getattr(e, "format_message", None)) and isinstance(
         getattr(e, "exit_code", None), int)
+
+
+@contextlib.contextmanager
+def _help_width():
+    """Without a terminal, ``--help`` is laid out at ``COLUMNS`` or HELP_PIPE_WIDTH columns instead of
+    rich's 80, for this run only (typer reads ``TERMINAL_WIDTH`` once, at import; when set, it wins)."""
+    from graphopt.cli.console import HELP_PIPE_WIDTH, stream_is_tty, terminal_columns
+
+    try:
+        from typer import rich_utils
+    except ImportError:  # typer without rich
+        yield
+        return
+    before = getattr(rich_utils, "MAX_WIDTH", 0)
+    if before is None and not stream_is_tty(sys.stdout):
+        rich_utils.MAX_WIDTH = terminal_columns() or HELP_PIPE_WIDTH
+    try:
+        yield
+    finally:
+        if before is None:
+            rich_utils.MAX_WIDTH = before
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        rv = app(args=argv, standalone_mode=False)
+        with _help_width():
+            rv = app(args=argv, prog_name="graphopt", standalone_mode=False)
         # with standalone_mode=False click returns the code of a raised Exit
         code = rv if isinstance(rv, int) else 0
     except GraphoptError as e:
@@ -75,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        _print_error(e)
+        _print_error(e.message, e.hint)
         code = e.exit_code
     except typer.Exit as e:
         code = e.exit_code
@@ -86,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         import click
 
         if isinstance(e, click.exceptions.ClickException) or _is_usage_error(e):
-            e.show()
+            _print_usage_error(e)
             code = e.exit_code
         elif isinstance(e, click.exceptions.Exit):
             code = e.exit_code

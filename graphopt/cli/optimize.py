@@ -12,6 +12,7 @@ from graphopt.cli.options import (
     Calib,
     InputShape,
     InputValue,
+    Json,
     Provider,
     Quiet,
     Report,
@@ -53,6 +54,7 @@ def command(
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
+    json_: Json = False,
     quiet: Quiet = False,
 ) -> None:
     """Optimize MODEL with the default recipe (every lossless pass) or the passes you name.
@@ -62,10 +64,9 @@ def command(
     without it (a warning; --strict: exit 3, no output). A lossy pass that fails or cannot meet
     --budget (or its default budget) stops the run: exit 3, no output, unless --keep-going.
     """
-    from rich.console import Console
-
     from graphopt import io, pipeline
     from graphopt import recipe as recipe_mod
+    from graphopt.cli.console import make_console
     from graphopt.errors import UsageError, VerificationError
     from graphopt.metrics import parse_budget
 
@@ -79,7 +80,7 @@ def command(
     io.check_output_path(model, out, in_place=in_place)
     rec = recipe_mod.load(recipe) if recipe else None
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     with console.status("optimizing…") as status:
         result = pipeline.optimize(
             model,
@@ -108,8 +109,10 @@ def command(
         rep.output = str(out)
     if report is not None:
         rep.save(report)
-    if not quiet:
-        rep.render(Console())
+    if json_:
+        typer.echo(rep.to_json())
+    elif not quiet:
+        rep.render(make_console())
     if not result.ok:
         failed = rep.failed()[-1]
         lossy = not failed.exact and not keep_going

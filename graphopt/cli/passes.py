@@ -11,11 +11,9 @@ def command(json_: Json = False) -> None:
     """List every pass: name, lossless or lossy, one-line summary, options with defaults."""
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
     from graphopt import recipe as recipe_mod
     from graphopt import registry
+    from graphopt.cli.console import make_console, table
 
     passes = registry.all_passes()
     default = set(recipe_mod.default().pass_names())
@@ -33,9 +31,8 @@ def command(json_: Json = False) -> None:
     if json_:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
-    t = Table(title="graphopt passes", title_justify="left")
-    for c in ("pass", "kind", "default", "summary", "options"):
-        t.add_column(c, overflow="fold")
+    t = table("graphopt passes", [("pass", {"no_wrap": True}), ("kind", {"no_wrap": True}), "default", "summary",
+                                  "options"])
     for r in rows:
         t.add_row(
             r["name"],
@@ -44,4 +41,4 @@ def command(json_: Json = False) -> None:
             r["summary"],
             ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "-",
         )
-    Console().print(t)
+    make_console().print(t)

@@ -43,11 +43,10 @@ def command(
     """
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
     from graphopt import feeds as feeds_mod
+    from graphopt.cli.console import make_console, table
     from graphopt.errors import EXIT_VERIFY
+    from graphopt.metrics import REL_FLOOR
     from graphopt.verify import compare_models
 
     shapes, values = feed_overrides(input_shape, input_value, calib)
@@ -56,14 +55,18 @@ def command(
     if json_:
         typer.echo(json.dumps(res.as_dict(), indent=2, default=str))
     else:
-        t = Table(title=f"{reference} vs {candidate} ({feeds_mod.describe(res.feeds)})", title_justify="left")
-        for c in ("output", "max_abs", "max_rel", "cosine", "cosine_min", "top1", "mismatch"):
-            t.add_column(c, justify="right" if c != "output" else "left")
+        right = {"justify": "right", "no_wrap": True}
+        t = table(f"{reference} vs {candidate} ({feeds_mod.describe(res.feeds)})",
+                  [("output", {"no_wrap": True})]
+                  + [(c, right) for c in ("max_abs", "max_rel", "|ref| floor", "cosine", "cosine_min", "top1",
+                                          "mismatch")])
         for d in res.comparison.outputs.values():
-            t.add_row(d.name, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}", f"{d.cosine:.6f}", f"{d.cosine_min:.6f}",
-                      f"{d.top1:.4f}", f"{100 * d.mismatch:.2f}%")
-        c = Console()
+            t.add_row(d.name, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}", f"{d.rel_floor:.3g}", f"{d.cosine:.6f}",
+                      f"{d.cosine_min:.6f}", f"{d.top1:.4f}", f"{100 * d.mismatch:.2f}%")
+        c = make_console()
         c.print(t)
+        c.print(f"max_rel = max |B-A| / |A| over the elements with |A| >= the floor ({REL_FLOOR:.0%} of the "
+                "output's largest |A| in a feed)", style="dim")
         c.print("[green]ok[/]" if res.ok else "[red]FAILED:[/] " + "; ".join(res.failures), highlight=False)
     if not res.ok:
         raise typer.Exit(EXIT_VERIFY)

@@ -1,7 +1,8 @@
 """Graph diff: what changed between two ONNX models, structurally and numerically.
 
 ``diff_models(a, b)`` matches the nodes of B against A, groups the unmatched ones into rewritten
-regions (named after the pass that made them, from the ``graphopt.pass`` node metadata), and
+regions (credited to the pass that created them, with the passes that rebuilt them since, from the
+provenance the pipeline writes on nodes: :mod:`graphopt.provenance`), and
 summarises op-histogram, initializer, IO-signature, parameter, FLOP and subgraph deltas. With
 ``numeric=True`` both models run on the same feeds and every intermediate tensor they share is
 compared, to find the first one that drifts beyond tolerance.
@@ -17,10 +18,12 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from graphopt import provenance
 from graphopt.diff import deltas
 from graphopt.diff.matching import Matching, NodeId, Side, match_graphs, pass_of
 from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
+from graphopt.diff.scopes import node_scope
 from graphopt.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
 from graphopt.report import op_histogram, op_key
 
@@ -50,9 +53,11 @@ def _node_records(m: Matching, side: Side) -> list[dict[str, Any]]:
             "match": None,
             "region": None,
             "pass": pass_of(n),
+            "chain": provenance.chain_of(n),
             "changes": [],
             "inputs": [v.name if v is not None else "" for v in n.inputs],
             "outputs": [v.name or "" for v in n.outputs],
+            "scope": node_scope(n),
         }
         for i, n in enumerate(m.nodes(side))
     ]
@@ -126,7 +131,8 @@ def diff_models(
         "removed": counts["removed"],
         "added": counts_b["added"],
         "regions": len(regions),
-        "passes": dict(collections.Counter(p for r in regions for p in r.passes for _ in range(r.passes[p]))),
+        "passes": dict(sum((collections.Counter(r.passes) for r in regions), collections.Counter())),
+        "chains": dict(sum((collections.Counter(r.chains) for r in regions), collections.Counter())),
     }
     result = DiffResult(
         a={"label": label_a, "nodes": len(m.a_nodes), "opsets": _opsets(ma)},

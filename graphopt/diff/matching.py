@@ -8,10 +8,15 @@ Matching (main graph; subgraph bodies are compared by op histogram):
    domain, op type and attributes whose inputs are the matched counterparts of B's inputs
    (inputs not yet matched act as wildcards against unmatched A values); among several candidates
    the one with the same name wins, then the one with the same output names. Failing that, an A
-   node with the same name and op type is matched as *modified*. A match pairs the outputs, and
-   the wildcard inputs it bridged (a rewritten region's output feeding an unchanged node).
+   node with the same name, op type and provenance chain is matched as *modified*. A match pairs the
+   outputs, and the wildcard inputs it bridged (a rewritten region's output feeding an unchanged node).
+   A pair whose B node a pass rebuilt since A (its chain is longer) is *modified*: "rebuilt by ...".
 3. Unmatched values with equal names are paired too: rewriters keep the names of the values they
-   replace, so a fused node's output lines up with the end of the subgraph it replaced.
+   replace, so a fused node's output lines up with the end of the subgraph it replaced. A name is
+   evidence only where it was kept: a node a graphopt pass created lists the output names that
+   continue the input model (``graphopt.kept``, see :mod:`graphopt.provenance`); its other output
+   names are new, and equal to an A name only by coincidence (onnx-ir reuses freed ``val_<n>``
+   names). Values whose dtypes are known and differ never pair.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import NamedTuple
 
 import onnx_ir as ir
 
-from graphopt import PASS_TAG
+from graphopt import provenance
 from graphopt.opsets import node_domain
 from graphopt.report import op_key
 
@@ -104,8 +109,26 @@ def attr_hash(node: ir.Node) -> str:
 
 
 def pass_of(node: ir.Node) -> str | None:
-    """The pass that created ``node`` (its ``graphopt.pass`` metadata), or None."""
-    return node.metadata_props.get(PASS_TAG) or None
+    """The pass that created ``node``'s construct (the first of its provenance chain), or None."""
+    chain = provenance.chain_of(node)
+    return chain[0] if chain else None
+
+
+def rebuilt_since(na: ir.Node, nb: ir.Node) -> list[str]:
+    """The passes that rebuilt ``nb`` after ``na`` was made: the part of B's chain not in A's, or []."""
+    ca, cb = provenance.chain_of(na), provenance.chain_of(nb)
+    if ca == cb:
+        return []
+    return cb[len(ca):] if cb[: len(ca)] == ca else cb
+
+
+def _name_evidence(va: ir.Value, vb: ir.Value) -> bool:
+    """Whether B value ``vb`` having A value ``va``'s name says they are the same tensor."""
+    if va.dtype is not None and vb.dtype is not None and va.dtype != vb.dtype:
+        return False
+    p = vb.producer()
+    kept = provenance.kept_names(p) if p is not None else None
+    return kept is None or vb.name in kept
 
 
 # ---------------------------------------------------------------- the matching
@@ -221,13 +244,14 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
             cands = [i for i in cands if _same_names(a_nodes[i], nb)]
         choice: int | None = None
         if cands:
-            choice = max(cands, key=lambda i: (a_nodes[i].name == nb.name and bool(nb.name),
+            choice = max(cands, key=lambda i: (_node_names_equal(a_nodes[i], nb),
                                                 _out_names_equal(a_nodes[i], nb), -abs(i - j)))
             node_b2a[j] = choice
         elif nb.name:
             for i in a_by_name.get(nb.name, ()):
                 na = a_nodes[i]
-                if i not in a_matched and node_domain(na) == node_domain(nb) and na.op_type == nb.op_type:
+                if (i not in a_matched and node_domain(na) == node_domain(nb) and na.op_type == nb.op_type
+                        and provenance.chain_of(na) == provenance.chain_of(nb)):
                     choice = i
                     node_b2a[j] = i
                     modified[j] = _differences(na, nb, b2a)
@@ -236,6 +260,9 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
             continue
         a_matched.add(choice)
         na = a_nodes[choice]
+        rebuilt = rebuilt_since(na, nb)
+        if rebuilt:
+            modified.setdefault(j, []).insert(0, f"rebuilt by {provenance.format_chain(rebuilt)}")
         for vb, va in zip(nb.inputs, na.inputs, strict=False):
             if vb is not None and va is not None and vb not in b2a and va not in a_mapped:
                 pair_value(vb, va)
@@ -251,7 +278,7 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
         for vb in nb.outputs:
             if vb not in b2a and vb.name in a_vals:
                 va = a_vals[vb.name]
-                if va not in a_mapped:
+                if va not in a_mapped and _name_evidence(va, vb):
                     pair_value(vb, va)
     return Matching(a_nodes, b_nodes, node_b2a, modified, b2a, init_changed)
 
@@ -271,11 +298,20 @@ def _inputs_fit(na: ir.Node, wanted: list, a_mapped: set[ir.Value]) -> bool:
 
 
 def _same_names(na: ir.Node, nb: ir.Node) -> bool:
-    return (bool(nb.name) and na.name == nb.name) or _out_names_equal(na, nb)
+    return _node_names_equal(na, nb) or _out_names_equal(na, nb)
+
+
+def _node_names_equal(na: ir.Node, nb: ir.Node) -> bool:
+    """Equal node names, as evidence: not for a node a pass made since A (its name is new)."""
+    return bool(nb.name) and na.name == nb.name and provenance.chain_of(na) == provenance.chain_of(nb)
 
 
 def _out_names_equal(na: ir.Node, nb: ir.Node) -> bool:
-    return bool(nb.outputs) and [v.name for v in na.outputs] == [v.name for v in nb.outputs]
+    """Equal output names, as evidence: only names B's node kept (see ``_name_evidence``)."""
+    if not nb.outputs or [v.name for v in na.outputs] != [v.name for v in nb.outputs]:
+        return False
+    kept = provenance.kept_names(nb)
+    return kept is None or all(v.name in kept for v in nb.outputs)
 
 
 def _differences(na: ir.Node, nb: ir.Node, b2a: dict) -> list[str]:

@@ -5,7 +5,13 @@ A node joins the B component whose paired output values it feeds (through unmatc
 stopping at paired values): "these 14 nodes became this LayerNormalization". A nodes feeding several
 components (e.g. a mask computation shared by every fused attention) form their own region, which
 records the regions it fed in ``shared_by``; A nodes feeding none are grouped among themselves
-(removed). The pass that made a region is read from the ``graphopt.pass`` metadata of its B nodes.
+(removed).
+
+Credit: each B node carries its provenance chain (:mod:`graphopt.provenance`: the passes that made
+and then rebuilt it). The part of the chain A already had (the longest chain of the region's A nodes
+that starts B's) is history; the region credits the first pass of the rest, the one that created the
+construct between A and B, and the summary names the passes that rebuilt it afterwards: "2 nodes
+(Add, Gelu) became BiasGelu by fuse, rebuilt by remove-padding".
 """
 
 from __future__ import annotations
@@ -16,8 +22,19 @@ from collections.abc import Hashable
 
 import onnx_ir as ir
 
-from graphopt.diff.matching import Matching, NodeId, Side, a_id, b_id, pass_of
+from graphopt import provenance
+from graphopt.diff.matching import Matching, NodeId, Side, a_id, b_id
 from graphopt.report import op_key
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, "node")`` -> ``"1 node"``, ``plural(3, "node")`` -> ``"3 nodes"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _short(op: str) -> str:
+    """An op key without its domain, for prose (``com.microsoft::BiasGelu`` -> ``BiasGelu``)."""
+    return op.rpartition("::")[2]
 
 
 @dataclasses.dataclass
@@ -29,10 +46,11 @@ class Region:
     b_nodes: list[NodeId]
     a_ops: dict[str, int]
     b_ops: dict[str, int]
-    passes: dict[str, int]  # pass name -> number of B nodes tagged with it
+    passes: dict[str, int]  # pass name -> number of B nodes it is credited with (created the construct)
     inputs: list[str]  # boundary values (A names) the region reads
     outputs: list[str]  # boundary values (A names, else B names) the region produces
     shared_by: list[int] = dataclasses.field(default_factory=list)  # regions a shared helper region fed
+    chains: dict[str, int] = dataclasses.field(default_factory=dict)  # "fuse → remove-padding" -> B nodes
 
     @property
     def kind(self) -> str:
@@ -41,16 +59,45 @@ class Region:
         return "removed" if self.a_nodes else "added"
 
     def summary(self) -> str:
+        """One line a person reads: "9 nodes (Add×2, ...) became LayerNormalization by fuse"."""
         def ops(d: dict[str, int]) -> str:
-            return ", ".join(f"{k}×{n}" if n > 1 else k for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
+            return ", ".join(f"{_short(k)}×{n}" if n > 1 else _short(k)
+                             for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
 
-        by = f" by {', '.join(sorted(self.passes))}" if self.passes else ""
-        fed = f", shared by regions {', '.join(map(str, self.shared_by))}" if self.shared_by else ""
+        def nodes(n: int, d: dict[str, int]) -> str:
+            return f"{plural(n, 'node')} ({ops(d)})"
+
+        fed = ""
+        if self.shared_by:
+            fed = f", shared by {'region' if len(self.shared_by) == 1 else 'regions'} {', '.join(map(str, self.shared_by))}"
+        by = self._by()
         if self.kind == "rewritten":
-            return f"{len(self.a_nodes)} nodes ({ops(self.a_ops)}) became {len(self.b_nodes)} ({ops(self.b_ops)}){fed}{by}"
+            made = ops(self.b_ops) if len(self.b_nodes) == 1 else nodes(len(self.b_nodes), self.b_ops)
+            return f"{nodes(len(self.a_nodes), self.a_ops)} became {made}{fed}{by}"
         if self.kind == "removed":
-            return f"{len(self.a_nodes)} nodes removed ({ops(self.a_ops)}){fed}{by}"
-        return f"{len(self.b_nodes)} nodes added ({ops(self.b_ops)}){fed}{by}"
+            return f"{plural(len(self.a_nodes), 'node')} removed ({ops(self.a_ops)}){fed}{by}"
+        return f"{plural(len(self.b_nodes), 'node')} added ({ops(self.b_ops)}){fed}{by}"
+
+    def _by(self) -> str:
+        """" by fuse, rebuilt by remove-padding": the credited passes, each with the passes that rebuilt
+        its nodes ("by fuse (rebuilt by remove-padding) and remove-padding" when several), in pipeline
+        order. A shared region with no new node names the passes of the regions it feeds."""
+        credited = [p for p, n in self.passes.items() if n > 0] or list(self.passes)
+        if not credited:
+            return ""
+        chains = [c.split(" → ") for c in self.chains]
+        order = {p: max((c.index(p) for c in chains if p in c), default=0) for p in credited}
+        credited.sort(key=lambda p: (order[p], -self.passes[p], p))
+        rebuilt = {p: [] for p in credited}
+        for c in chains:
+            for q in c[1:]:
+                if c[0] in rebuilt and q not in rebuilt[c[0]]:
+                    rebuilt[c[0]].append(q)
+        if len(credited) == 1:
+            p = credited[0]
+            return f" by {p}" + (f", rebuilt by {' and '.join(rebuilt[p])}" if rebuilt[p] else "")
+        return " by " + " and ".join(p + (f" (rebuilt by {', '.join(rebuilt[p])})" if rebuilt[p] else "")
+                                     for p in credited)
 
     def _order(self) -> tuple[int, int]:
         """Regions are listed by their first A node, then their first B node."""
@@ -100,31 +147,43 @@ def find_regions(m: Matching) -> list[Region]:
     a_un_set, b_un_set = set(a_un), set(b_un)
     a2b_val = {va: vb for vb, va in m.value_b2a.items()}
 
-    # 1. components of B's unmatched nodes. A new helper fed only by paired values and used by
-    # several new nodes (e.g. one mask Cast shared by every fused Attention) does not glue their
-    # components together: it becomes a shared region of its own (step 3).
-    def b_users(j: int) -> set[int]:
-        return {b_idx[id(u)] for v in m.b_nodes[j].outputs for u, _ in v.uses() if b_idx.get(id(u)) in b_un_set}
+    # 1. components of B's unmatched nodes. Helpers do not glue the components they feed together:
+    # a new node fed only by paired values and used by several new nodes (one mask Cast shared by
+    # every fused Attention), and the index a pass computes from the graph inputs alone (the
+    # packing index of remove-padding, read by every layer). Helpers that feed one component join
+    # it; helpers feeding several become a shared region of their own (step 3).
+    def b_users(j: int, *, unpaired: bool = False) -> set[int]:
+        return {b_idx[id(u)] for v in m.b_nodes[j].outputs if not (unpaired and v in m.value_b2a)
+                for u, _ in v.uses() if b_idx.get(id(u)) in b_un_set}
 
     def fed_by_paired(j: int) -> bool:
         return all(v is None or v in m.value_b2a or v.producer() is None
                    or b_idx.get(id(v.producer())) not in b_un_set for v in m.b_nodes[j].inputs)
 
-    b_shared = {j for j in b_un if fed_by_paired(j) and len(b_users(j)) >= 2}
+    hub = _input_helpers(m, b_un, b_idx)
+    b_shared = hub | {j for j in b_un if fed_by_paired(j) and len(b_users(j)) >= 2}
     uf_b = _UnionFind()
     for j in b_un:
         uf_b.find(j)
-        if j in b_shared:
+        if j in b_shared and j not in hub:
             continue
         for v in m.b_nodes[j].outputs:
             if v in m.value_b2a:
                 continue  # a paired value cuts the graph
             for user, _ in v.uses():
                 k = b_idx.get(id(user))
-                if k in b_un_set and k not in b_shared:
+                if k in b_un_set and (k in hub if j in hub else k not in b_shared):
                     uf_b.union(j, k)
+    comp0 = {j: uf_b.find(j) for j in b_un}
+    fed0: dict[int, set[int]] = collections.defaultdict(set)
+    for j in b_shared:
+        fed0[comp0[j]] |= {comp0[k] for k in b_users(j, unpaired=j in hub) if k not in b_shared}
+    joined = {j for j in hub if len(fed0[comp0[j]]) == 1}  # an input index read by one component is part of it
+    for j in joined:
+        uf_b.union(next(iter(fed0[comp0[j]])), j)
+    b_shared -= joined
     comp_of_b: dict[int, int] = {j: uf_b.find(j) for j in b_un}
-    shared_fed = {j: frozenset(comp_of_b[k] for k in b_users(j) if k not in b_shared) for j in b_shared}
+    shared_fed = {j: frozenset(uf_b.find(c) for c in fed0[comp0[j]]) for j in b_shared}
 
     # 2. which B components each unmatched A node feeds (reverse topological order)
     reach: dict[int, frozenset[int]] = {}
@@ -148,7 +207,8 @@ def find_regions(m: Matching) -> list[Region]:
         comp = b_id(comp_of_b[j])
         uf.find(comp)
         if j in b_shared and len(shared_fed[j]) >= 2:
-            uf.union(_shared(shared_fed[j]), comp)
+            if m.b_nodes[j].op_type != "Constant":  # a constant replaced no A computation
+                uf.union(_shared(shared_fed[j]), comp)
         elif j in b_shared and shared_fed[j]:
             uf.union(b_id(next(iter(shared_fed[j]))), comp)
     for i in a_un:
@@ -181,9 +241,13 @@ def find_regions(m: Matching) -> list[Region]:
         bn.sort()
         a_ops = collections.Counter(op_key(m.a_nodes[i]) for i in an)
         b_ops = collections.Counter(op_key(m.b_nodes[j]) for j in bn)
-        passes = collections.Counter(p for j in bn if (p := pass_of(m.b_nodes[j])))
+        a_chains = [c for i in an if (c := provenance.chain_of(m.a_nodes[i]))]
+        since = [c for j in bn if (c := chain_since(provenance.chain_of(m.b_nodes[j]), a_chains))]
+        passes = collections.Counter(c[0] for c in since)
+        chains = collections.Counter(provenance.format_chain(c) for c in since)
         ins, outs = _boundary(m, an, bn)
-        r = Region(0, [a_id(i) for i in an], [b_id(j) for j in bn], dict(a_ops), dict(b_ops), dict(passes), ins, outs)
+        r = Region(0, [a_id(i) for i in an], [b_id(j) for j in bn], dict(a_ops), dict(b_ops), dict(passes), ins, outs,
+                   chains=dict(chains))
         regions.append(r)
         for j in bn:
             region_of_comp[comp_of_b[j]] = r
@@ -202,6 +266,38 @@ def find_regions(m: Matching) -> list[Region]:
                 for p in regions[t].passes:
                     r.passes.setdefault(p, 0)
     return regions
+
+
+def _input_helpers(m: Matching, b_un: list[int], b_idx: dict[int, int]) -> set[int]:
+    """Unmatched B nodes computed from graph inputs and constants alone (through each other) that
+    rebuild nothing (a provenance chain of at most one pass) and whose outputs continue no A value:
+    an index a pass derives from the inputs, such as remove-padding's packing index from the mask."""
+    out: set[int] = set()
+    for j in b_un:  # graph order is topological
+        node = m.b_nodes[j]
+        if len(provenance.chain_of(node)) > 1 or any(v in m.value_b2a for v in node.outputs):
+            continue
+        ok = True
+        for v in node.inputs:
+            if v is None or v.is_initializer() or v.const_value is not None:
+                continue
+            p = v.producer()
+            if p is None:
+                ok = ok and v.is_graph_input()
+            elif not (p.op_type == "Constant" and not p.inputs):
+                ok = ok and b_idx.get(id(p)) in out
+        if ok:
+            out.add(j)
+    return out
+
+
+def chain_since(chain: list[str], a_chains: list[list[str]]) -> list[str]:
+    """The part of a B node's ``chain`` made after A: without the longest A chain it starts with.
+
+    A chain A already has in full (nothing new) keeps its last pass.
+    """
+    k = max((len(c) for c in a_chains if chain[: len(c)] == c), default=0)
+    return chain[k:] or chain[-1:]
 
 
 def _boundary(m: Matching, an: list[int], bn: list[int]) -> tuple[list[str], list[str]]:

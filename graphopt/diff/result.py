@@ -9,7 +9,7 @@ from typing import Any
 from graphopt.report import json_safe
 
 #: bump the major number on any incompatible change of the JSON layout
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphopt.diff.regions import plural
 from graphopt.diff.result import DiffResult
 
 
@@ -38,10 +39,9 @@ def render(result: DiffResult, console=None, *, max_rows: int = 30) -> None:
     if s["identical"]:
         con.print("[green]identical structure: nothing changed[/]")
     else:
-        passes = ", ".join(f"{p}: {n} nodes" for p, n in s["passes"].items()) or "no pass tags"
         con.print(
-            f"matched {s['matched']} nodes ({s['unchanged']} unchanged, {s['modified']} modified); "
-            f"{s['removed']} removed, {s['added']} added in {s['regions']} regions ({passes})"
+            f"matched {plural(s['matched'], 'node')} ({s['unchanged']} unchanged, {s['modified']} modified); "
+            f"{s['removed']} removed, {s['added']} added in {plural(s['regions'], 'region')} ({_credits(s)})"
         )
 
     if result.regions:
@@ -50,7 +50,7 @@ def render(result: DiffResult, console=None, *, max_rows: int = 30) -> None:
             t.add_column(col)
         for r in result.regions[:max_rows]:
             t.add_row(str(r["id"]), r["kind"], str(len(r["a_nodes"])), str(len(r["b_nodes"])),
-                      ", ".join(r["passes"]) or "-", r["summary"])
+                      ", ".join(r.get("chains") or r["passes"]) or "-", r["summary"])
         con.print(t)
         if len(result.regions) > max_rows:
             con.print(f"[dim]... {len(result.regions) - max_rows} more regions (see --json)[/]")
@@ -114,6 +114,19 @@ def render(result: DiffResult, console=None, *, max_rows: int = 30) -> None:
 
     if result.numeric:
         _render_numeric(result.numeric, con)
+
+
+def _credits(s: dict) -> str:
+    """ "fuse: 114 nodes (fuse → remove-padding: 113), remove-padding: 534 nodes": new nodes by the pass
+    credited with them, with the chains of the ones a later pass rebuilt."""
+    if not s["passes"]:
+        return "no pass tags"
+    chains = s.get("chains", {})
+    parts = []
+    for p, n in sorted(s["passes"].items(), key=lambda kv: (-kv[1], kv[0])):
+        rebuilt = [f"{c}: {k}" for c, k in chains.items() if c.startswith(f"{p} → ")]
+        parts.append(f"{p}: {plural(n, 'node')}" + (f" ({', '.join(rebuilt)})" if rebuilt else ""))
+    return ", ".join(parts)
 
 
 def _dt(d: dict[str, int]) -> str:

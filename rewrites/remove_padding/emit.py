@@ -6,6 +6,10 @@ or MultiHeadAttention per length group). Readers of a packed value outside the p
 form, a padded ``Shape``, or (an unfused-by-design Attention) a packed QKV projection with
 MultiHeadAttention on the unpacked Q/K/V. Graph outputs are unpacked with zeros at padded positions,
 or returned as real-token rows.
+
+Every node that re-emits a planned node (its twin, the packed attention and its projections, the
+embedding Gathers and norm) inherits that node's provenance (``graphopt.provenance.inherit``), so a
+fused op keeps the pass that made it: ``fuse → remove-padding``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from graphopt import provenance
 from graphopt.contrib import (
     MS_DOMAIN,
     attention_attributes,
@@ -58,6 +63,7 @@ def rewrite(model: ir.Model, plan: Plan, *, packed_output: bool, sum_norm: bool)
                 version=node.version,
                 name=f"{node.name}_packed" if node.name else None,
             )
+            provenance.inherit(new, node)
             new_nodes.append(new)
             outs = list(new.outputs)
         for old_out, new_out in zip(node.outputs, outs):
@@ -172,6 +178,7 @@ def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: lis
     fused. When the embedding sum (third output) is read, Add + LayerNormalization keep it explicit.
     ``inputs`` are the node's inputs as the packed op reads them (ids, segments, positions packed).
     """
+    start = len(tape.nodes)
     e = embed_inputs(node, inputs)
     pos_ids = e.position_ids if e.position_ids is not None else index.idx_s
     x = tape.op("Gather", [e.word_embedding, e.input_ids])
@@ -190,8 +197,15 @@ def _emit_embed(tape: ir.tape.Tape, index: PackIndex, node: ir.Node, inputs: lis
     else:
         total = None
         out = tape.op("SkipLayerNormalization", [x, skip, *norm_inputs], {"epsilon": eps}, domain=MS_DOMAIN)
+    _inherit_since(tape, start, node)
     outs: list = [out, None, total]
     return outs[: len(node.outputs)]
+
+
+def _inherit_since(tape: ir.tape.Tape, start: int, old: ir.Node) -> None:
+    """The nodes recorded on ``tape`` from position ``start`` on rebuild ``old`` (provenance)."""
+    for n in tape.nodes[start:]:
+        provenance.inherit(n, old)
 
 
 def _mask_index(tape: ir.tape.Tape, node: ir.Node) -> ir.Value:
@@ -223,6 +237,7 @@ class _Attention:
                                        bias=bias, token_offset=self._packed.token_offset,
                                        cumulative_sequence_length=self._packed.cumulative_sequence_length)
             out = t.op("PackedMultiHeadAttention", ins, attrs.for_mha("scale"), domain=MS_DOMAIN)
+            provenance.inherit(out.producer(), node)
             out.name = f"{node.outputs[0].name}_packed_mha"
             return t.op("Unsqueeze", [out, const_ints(t, [0])])
         if self._groups is None:
@@ -241,6 +256,7 @@ class _Attention:
                 key_padding_mask=groups.key_mask(kpm, g) if kpm is not None else None,
                 attention_bias=groups.attention_bias(attn_bias, lead_batch, g, _FILL) if attn_bias is not None else None)
             out = t.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS_DOMAIN)
+            provenance.inherit(out.producer(), node)
             parts.append(t.op("Reshape", [out, const_ints(t, [-1, int(hv)])]))
         flat = t.op("Concat", parts, {"axis": 0}) if len(parts) > 1 else parts[0]
         return t.op("Gather", [flat, groups.inverse], {"axis": 0})
@@ -265,6 +281,7 @@ class _Attention:
             else:
                 w = t.op("Slice", [weights, const_ints(t, [lo]), const_ints(t, [hi]), const_ints(t, [1])])
             projections.append(t.op("MatMul", [a.input, w]))
+            provenance.inherit(projections[-1].producer(), node)
         q, k, v = projections
         return q, k, v, a.bias, a.mask_index, a.attention_bias
 
@@ -275,6 +292,7 @@ def _emit_split_attention(
     """Attention(x, W, b, mask, -, bias) -> MHA(unpack(q), unpack(k), unpack(v), mask, bias) with a packed QKV MatMul."""
     a = attention_inputs(node)
     attrs = attention_attributes(node)
+    start = len(tape.nodes)
     qkv = tape.op("MatMul", [packed_x, a.weights])
     if a.bias is not None:
         qkv = tape.op("Add", [qkv, a.bias])
@@ -284,6 +302,9 @@ def _emit_split_attention(
                                value=index.unpack(v), key_padding_mask=a.mask_index, attention_bias=a.attention_bias)
     out = tape.op("MultiHeadAttention", ins, attrs.for_mha("scale", "mask_filter_value"), domain=MS_DOMAIN)
     out.name = f"{node.outputs[0].name}_mha"
+    for n in tape.nodes[start:]:  # the projection, split and attention rebuild the Attention (not the unpacks)
+        if n.op_type in ("MatMul", "Add", "Split", "MultiHeadAttention"):
+            provenance.inherit(n, node)
     return out
 
 
