@@ -27,6 +27,7 @@ def load_models_module(name: str):
         sys.path.insert(0, str(REPO / "models"))
     spec = importlib.util.spec_from_file_location(f"graphopt_models_{name}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses (and pickling) look the module up by name
     spec.loader.exec_module(mod)
     return mod
 

@@ -53,8 +53,10 @@ def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
         ) from None
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph)", hint="expected an ONNX protobuf (.onnx)")
+    _check_tensor_types(proto, path)
     if check_external:
         _check_external_files(proto, path)
+    _stash_map_types(proto.graph)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:
@@ -76,6 +78,54 @@ def _iter_tensor_protos(graph: onnx.GraphProto):
                     yield from _iter_tensor_protos(g)
 
 
+_TYPE_KEY = "graphopt.type_proto"
+
+
+def _has_map(t: onnx.TypeProto) -> bool:
+    kind = t.WhichOneof("value")
+    if kind == "map_type":
+        return True
+    if kind == "sequence_type":
+        return _has_map(t.sequence_type.elem_type)
+    if kind == "optional_type":
+        return _has_map(t.optional_type.elem_type)
+    return False
+
+
+def _stash_map_types(graph: onnx.GraphProto) -> None:
+    """onnx-ir cannot hold map types (scikit-learn's ZipMap output is a sequence of maps): the type of
+    such a graph input or output is kept in a metadata entry (restored by ``_serialize``)."""
+    for vi in [*graph.input, *graph.output]:
+        if _has_map(vi.type):
+            entry = vi.metadata_props.add()
+            entry.key, entry.value = _TYPE_KEY, vi.type.SerializeToString().hex()
+            vi.ClearField("type")
+    keep = [vi for vi in graph.value_info if not _has_map(vi.type)]
+    if len(keep) != len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(keep)
+
+
+def _restore_map_types(proto: onnx.ModelProto) -> onnx.ModelProto:
+    for vi in [*proto.graph.input, *proto.graph.output]:
+        for i, entry in enumerate(vi.metadata_props):
+            if entry.key == _TYPE_KEY:
+                vi.type.ParseFromString(bytes.fromhex(entry.value))
+                del vi.metadata_props[i]
+                break
+    return proto
+
+
+_DATA_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
+
+
+def _check_tensor_types(proto: onnx.ModelProto, path: Path) -> None:
+    for t in _iter_tensor_protos(proto.graph):
+        if t.data_type not in _DATA_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} has no valid data type ({t.data_type})",
+                                 hint="the file may be corrupt")
+
+
 def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
     for t in _iter_tensor_protos(proto.graph):
         if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -83,6 +133,11 @@ def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
         info = {e.key: e.value for e in t.external_data}
         loc = info.get("location", "")
         f = path.parent / loc
+        if loc and (Path(loc).is_absolute() or not _inside(f, path.parent)):
+            raise ModelLoadError(
+                f"{path}: external data location {loc!r} of tensor {t.name!r} lies outside the model's folder",
+                hint="external data files must lie in the model's folder or below it",
+            )
         if not loc or not f.is_file():
             raise ModelLoadError(
                 f"{path}: external data file {loc!r} of tensor {t.name!r} not found",
@@ -94,6 +149,25 @@ def _check_external_files(proto: onnx.ModelProto, path: Path) -> None:
                 f"{path}: external data file {loc!r} is too short for tensor {t.name!r} "
                 f"({f.stat().st_size} bytes, needs {need})"
             )
+
+
+def _inside(f: Path, folder: Path) -> bool:
+    try:
+        f.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _serialize(model: ir.Model) -> onnx.ModelProto:
+    """``ir.serde.serialize_model``, its failures (a hostile model's broken fields) as one error line."""
+    try:
+        return _restore_map_types(ir.serde.serialize_model(model))
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise ModelSaveError(f"cannot serialize the model: {type(cause).__name__}: {str(cause)[:200]}") from e
 
 
 def tensor_bytes(model: ir.Model) -> int:
@@ -210,7 +284,7 @@ def save(
 
 
 def _save_inline(model: ir.Model, path: Path) -> None:
-    proto = ir.serde.serialize_model(model)
+    proto = _serialize(model)
     if proto.ByteSize() >= PROTO_LIMIT:
         raise ModelSaveError(f"{path.name}: model over 2 GB; save it with external data")
     with open(path, "wb") as f:
@@ -224,7 +298,7 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     """
     if any(isinstance(v.const_value, ir.ExternalTensor) for g in model.graphs() for v in g.initializers.values()):
         model = ir.external_data.load_to_model(model.clone())
-    return ir.serde.serialize_model(model)
+    return _serialize(model)
 
 
 @contextlib.contextmanager

@@ -69,7 +69,10 @@ def _prepare(model: ir.Model) -> str | None:
 
     from graphopt.rewrites.fuse_shapes import annotate_symbolic_shapes
 
-    common_passes.ShapeInferencePass()(model)
+    try:
+        common_passes.ShapeInferencePass()(model)
+    except ir.serde.SerdeError as e:  # e.g. a ZipMap's sequence-of-map output: onnx-ir has no map type
+        logger.info("fuse: ONNX shape inference result unreadable (%s); shapes left as they are", e)
     optimize(model, inline=False)  # graphopt's own ai.graphopt functions stay functions
     shape_optimization.rules.apply_to_model(model)
     optimize(model, inline=False)

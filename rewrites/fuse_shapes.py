@@ -14,7 +14,9 @@ runs ONNX Runtime's symbolic shape inference (which evaluates such shape arithme
 values. Nothing in the graph changes: only value annotations.
 
 It refuses (leaves the annotations alone, with the reason logged) when symbolic inference fails or
-is incomplete. Symbolic inference merges two symbolic dimensions where broadcasting requires them
+is incomplete, and for models with ``ai.onnx.ml`` ops: symbolic inference gives them shapes ORT's
+kernels do not produce (``ArrayFeatureExtractor`` on a 1-D table returns ``[1, N]`` at run time, not
+``[N]``), and an identity-reshape drop on such a shape changes the output's rank. Symbolic inference merges two symbolic dimensions where broadcasting requires them
 to be equal for the model to run at all (``auto_merge``); that is the only assumption made.
 """
 
@@ -48,6 +50,9 @@ def annotate_symbolic_shapes(model: ir.Model) -> str | None:
     """Write ONNX Runtime's symbolic shapes onto ``model``'s values; return a reason on failure."""
     from graphopt.shapes import symbolic_infer
 
+    ml = sorted({n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == "ai.onnx.ml"})
+    if ml:
+        return f"symbolic shape inference does not model ai.onnx.ml ops ({', '.join(ml)})"
     proto = ir.serde.serialize_model(model)
     del proto.graph.value_info[:]
     try:
