@@ -340,12 +340,16 @@ def _explain(model: ir.Model, misses: list[str]) -> list[str]:
 
     status = fusion_status(model)
     notes = []
-    if not status["fully_fused"]:
+    after_add = status.get("layer_norm_after_add", 0)
+    if not status["fully_fused"] or after_add:
         notes.extend(misses)
     for kind in ("attention", "layer_norm", "gelu", "rotary"):
         s = status[kind]
         if s["unfused"]:
             notes.append(f"fuse: {s['unfused']} {kind} site(s) left unfused: {', '.join(s['unfused_nodes'][:5])}")
+    if after_add:
+        notes.append(f"fuse: {after_add} LayerNormalization after an Add (SkipLayerNormalization or "
+                     "EmbedLayerNormalization where the pattern allows)")
     if not notes:
         notes.append("fuse: every attention, LayerNorm, GELU and rotary site is fused")
     return notes
