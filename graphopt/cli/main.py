@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from graphopt.cli import bench, diff, export, feeds, inspect_cmd, optimize, passes, verify
+from graphopt.cli import bench, deploy, diff, export, feeds, inspect_cmd, optimize, passes, serve, verify
 from graphopt.errors import EXIT_ERROR, GraphoptError
 
 app = typer.Typer(
@@ -30,6 +30,8 @@ app.command("bench", no_args_is_help=True)(bench.command)
 app.command("export", no_args_is_help=True)(export.command)
 app.command("feeds", no_args_is_help=True)(feeds.command)
 app.command("diff", no_args_is_help=True)(diff.command)
+app.command("deploy", no_args_is_help=True, epilog=deploy.EPILOG)(deploy.command)
+app.command("serve", no_args_is_help=True, epilog=serve.EPILOG)(serve.command)
 
 _state = {"debug": False}
 
