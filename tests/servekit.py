@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,10 +19,13 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 @functools.cache
-def remove_padding_minilm(src: str, out_dir: str) -> Path:
-    """``cleanup,fuse,remove-padding`` on the MiniLM export (structure verified; numerics are the tests' job)."""
+def remove_padding_minilm(src: str) -> Path:
+    """``cleanup,fuse,remove-padding`` on the MiniLM export (structure verified; numerics are the tests' job),
+    made once per test run (a temporary folder removed at exit)."""
     from graphopt import io, pipeline
 
+    out_dir = tempfile.mkdtemp(prefix="graphopt-serve-tests-")
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
     out = Path(out_dir) / "minilm-rp.onnx"
     result = pipeline.optimize(src, passes="cleanup,fuse,remove-padding", verify_level="structure")
     assert result.ok, result.report.failed()

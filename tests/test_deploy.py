@@ -38,8 +38,8 @@ def _parse_config(path: Path):
 
 
 @pytest.fixture(scope="module")
-def rp_model(minilm, tmp_path_factory) -> Path:
-    return remove_padding_minilm(str(minilm("dynamo", "sdpa")), str(tmp_path_factory.mktemp("rp")))
+def rp_model(minilm) -> Path:
+    return remove_padding_minilm(str(minilm("dynamo", "sdpa")))
 
 
 def test_config_pbtxt_parses_with_triton_proto_and_matches_signature(rp_model, tmp_path):
