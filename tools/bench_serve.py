@@ -137,11 +137,18 @@ def load(url: str, rows, refs, *, clients: int, seconds: float, max_requests: in
                 if not ok:
                     failures.append(f"request {i}: wrong answer")
 
+    def counts():
+        st = http.InferenceServerClient(url).get_inference_statistics("m")["model_stats"][0]
+        return st["inference_count"], st["execution_count"]
+
+    before = counts()
     t_start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         list(pool.map(worker, range(clients)))
-    return {"requests": issued[0], "latencies": latencies, "failures": failures,
-            "seconds": time.perf_counter() - t_start}
+    seconds = time.perf_counter() - t_start
+    after = counts()
+    return {"requests": issued[0], "latencies": latencies, "failures": failures, "seconds": seconds,
+            "served": after[0] - before[0], "runs": after[1] - before[1]}
 
 
 def summary(phases: list[dict]) -> dict:
@@ -149,7 +156,9 @@ def summary(phases: list[dict]) -> dict:
     lat = np.asarray([x for p in phases for x in p["latencies"]]) * 1000
     wall = sum(p["seconds"] for p in phases)
     failures = [f for p in phases for f in p["failures"]]
+    runs = sum(p["runs"] for p in phases)
     return {"requests": sum(p["requests"] for p in phases), "answered": len(lat), "failures": len(failures),
+            "mean_batch": round(sum(p["served"] for p in phases) / runs, 1) if runs else None,
             "failure_examples": failures[:3], "seconds": round(wall, 2),
             "throughput_rps": round(len(lat) / wall, 1),
             "p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
@@ -210,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: summary(p) for name, p in phases.items()}
     for name, res in results.items():
         print(f"{name:28s} {res['throughput_rps']:7.1f} req/s  p50 {res['p50_ms']:6.1f} ms  p99 {res['p99_ms']:6.1f} ms"
-              f"  answered {res['answered']}/{res['requests']}  failures {res['failures']}", flush=True)
+              f"  mean batch {res['mean_batch']}  answered {res['answered']}/{res['requests']}  failures {res['failures']}",
+              flush=True)
     base = results.get("optimized, batching off")
     best = results.get("optimized, batching")
     if base and best:

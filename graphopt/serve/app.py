@@ -5,6 +5,7 @@ GET  /v2                                         server metadata (extensions: bi
 GET  /v2/health/live, /v2/health/ready           200 when live / ready
 GET  /v2/models/NAME[/versions/V]                model metadata (inputs, outputs, dims -1 dynamic)
 GET  /v2/models/NAME[/versions/V]/ready          200 when the model is ready
+GET  /v2/models/NAME[/versions/V]/stats          requests answered (inference_count), batches run (execution_count)
 POST /v2/models/NAME[/versions/V]/infer          inference: JSON, or the binary tensor extension
 ===============================================  ===================================================
 
@@ -77,6 +78,15 @@ def make_app(runner: Runner, *, max_batch: int = 32, max_delay_ms: float = 5.0,
     async def model_ready(request: Request):
         return _check_model(request) or JSONResponse({"name": runner.name, "ready": True})
 
+    async def model_stats(request: Request):
+        """Triton's statistics extension, the counts only: requests answered and session runs."""
+        bad = _check_model(request)
+        if bad is not None:
+            return bad
+        b = state["batcher"]
+        return JSONResponse({"model_stats": [{"name": runner.name, "version": runner.version,
+                                              "inference_count": b.requests, "execution_count": b.batches}]})
+
     async def _body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body:
@@ -121,6 +131,7 @@ def make_app(runner: Runner, *, max_batch: int = 32, max_delay_ms: float = 5.0,
         Route("/v2/health/ready", ready),
         *(Route(p, model_metadata) for p in (model, versioned)),
         *(Route(p + "/ready", model_ready) for p in (model, versioned)),
+        *(Route(p + "/stats", model_stats) for p in (model, versioned)),
         *(Route(p + "/infer", infer, methods=["POST"]) for p in (model, versioned)),
     ]
     return Starlette(routes=routes, lifespan=lifespan,

@@ -28,7 +28,7 @@ class Batcher:
         self._closing = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="graphopt-ort")
         self._task: asyncio.Task | None = None
-        #: counters for /v2/models/NAME/stats-like introspection and tests
+        #: session runs and requests answered (the /stats endpoint)
         self.batches = 0
         self.requests = 0
 
@@ -93,7 +93,7 @@ class Batcher:
             except Exception as e:  # a bug in batching itself: fail this batch, keep serving
                 logger.exception("batch failed")
                 results = [InferError(f"internal error: {e}", status=500)] * len(items)
-            self.batches += 1
+            self.batches += len(self.runner.groups(items))
             self.requests += len(items)
             for (_, fut, _), res in zip(batch, results):
                 if not fut.done():  # the client may have gone away
