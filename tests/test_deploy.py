@@ -152,3 +152,17 @@ def test_repo_model_loads_in_stock_ort_with_external_data(rp_model, minilm, tmp_
     code, _, err = run_cli("deploy", rp_model, "-o", tmp_path / "repo", "--name", "mini")
     assert code == 1 and "exists" in err
     assert run_cli("deploy", rp_model, "-o", tmp_path / "repo", "--name", "mini", "--force")[0] == 0
+
+
+def test_model_local_function_needs_only_its_body_ops():
+    """graphopt's custom ops are model-local functions (ai.graphopt): ORT inlines them, so only their
+    bodies' ops count, and the domain is not 'unknown'."""
+    body = [helper.make_node("Relu", ["x"], ["y"])]
+    fn = helper.make_function("ai.graphopt", "MyOp", ["x"], ["y"], body, [helper.make_opsetid("", 17)])
+    g = helper.make_graph([helper.make_node("MyOp", ["x"], ["y"], domain="ai.graphopt")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])])
+    m = helper.make_model(g, functions=[fn], opset_imports=[helper.make_opsetid("", 17),
+                                                           helper.make_opsetid("ai.graphopt", 1)])
+    req = ort_compat.requirements(ir.serde.deserialize_model(m))
+    assert (req.min_version, req.providers, req.unknown) == ("1.12.0", ["cpu", "cuda"], [])
