@@ -213,11 +213,12 @@ def test_padded_model_groups_by_length_remove_padding_mixes(models):
 
 
 def test_cli_serve_sigterm_drains_in_flight_requests(models, tmp_path):
-    """`graphopt serve` in a subprocess: SIGTERM while requests wait for their batch; every one is answered."""
+    """`graphopt serve` in a subprocess: SIGTERM while six requests wait for their batch (5 s delay); every one
+    is answered, then the server exits."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "graphopt.cli.main", "serve", str(models[1]), "--name", NAME,
-                             "--port", str(port), "--max-batch", "32", "--max-delay-ms", "1500"],
+                             "--port", str(port), "--max-batch", "32", "--max-delay-ms", "5000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         c = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -235,8 +236,11 @@ def test_cli_serve_sigterm_drains_in_flight_requests(models, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futs = [pool.submit(lambda i=i: httpclient.InferenceServerClient(f"127.0.0.1:{port}").infer(
                 NAME, _inputs(rows[i])).as_numpy("last_hidden_state")) for i in range(6)]
-            time.sleep(0.5)  # the requests are queued, waiting for the 1.5 s batch delay
-            assert not any(f.done() for f in futs)
+            deadline = time.monotonic() + 20  # wait until all six are queued, waiting for the batch delay
+            while c.get_inference_statistics(NAME)["model_stats"][0]["pending_count"] < 6:
+                assert time.monotonic() < deadline, "the requests did not reach the server"
+                assert not any(f.done() for f in futs), [f.exception() for f in futs if f.done()]
+                time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             for i, f in enumerate(futs):
                 np.testing.assert_allclose(f.result(timeout=30), _expected(models[2], rows[i]), atol=ATOL)

@@ -5,7 +5,7 @@ GET  /v2                                         server metadata (extensions: bi
 GET  /v2/health/live, /v2/health/ready           200 when live / ready
 GET  /v2/models/NAME[/versions/V]                model metadata (inputs, outputs, dims -1 dynamic)
 GET  /v2/models/NAME[/versions/V]/ready          200 when the model is ready
-GET  /v2/models/NAME[/versions/V]/stats          requests answered (inference_count), batches run (execution_count)
+GET  /v2/models/NAME[/versions/V]/stats          requests answered, session runs, requests queued now
 POST /v2/models/NAME[/versions/V]/infer          inference: JSON, or the binary tensor extension
 ===============================================  ===================================================
 
@@ -79,13 +79,15 @@ def make_app(runner: Runner, *, max_batch: int = 32, max_delay_ms: float = 5.0,
         return _check_model(request) or JSONResponse({"name": runner.name, "ready": True})
 
     async def model_stats(request: Request):
-        """Triton's statistics extension, the counts only: requests answered and session runs."""
+        """Triton's statistics extension, the counts only: requests answered and session runs; graphopt adds
+        ``pending_count``, the requests queued for a batch now."""
         bad = _check_model(request)
         if bad is not None:
             return bad
         b = state["batcher"]
         return JSONResponse({"model_stats": [{"name": runner.name, "version": runner.version,
-                                              "inference_count": b.requests, "execution_count": b.batches}]})
+                                              "inference_count": b.requests, "execution_count": b.batches,
+                                              "pending_count": b.pending}]})
 
     async def _body(request: Request) -> bytes:
         declared = request.headers.get("content-length")

@@ -28,9 +28,15 @@ class Batcher:
         self._closing = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="graphopt-ort")
         self._task: asyncio.Task | None = None
+        self._forming = 0
         #: session runs and requests answered (the /stats endpoint)
         self.batches = 0
         self.requests = 0
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for their batch to start (queued, or collected into the batch being formed)."""
+        return len(self._pending) + self._forming
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._worker())
@@ -75,6 +81,7 @@ class Batcher:
                 continue
             first = self._pending.popleft()
             batch, rows = [first], first[0].rows
+            self._forming = 1
             deadline = first[2] + self.max_delay
             while rows < self.max_batch:
                 if self._pending:
@@ -83,11 +90,13 @@ class Batcher:
                     nxt = self._pending.popleft()
                     batch.append(nxt)
                     rows += nxt[0].rows
+                    self._forming = len(batch)
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closing or not await self._wait(remaining):
                     break
             items = [b[0] for b in batch]
+            self._forming = 0
             try:
                 results = await loop.run_in_executor(self._executor, self.runner.run, items)
             except Exception as e:  # a bug in batching itself: fail this batch, keep serving
