@@ -122,11 +122,26 @@ def _spec(value: ir.Value, what: str) -> TensorSpec:
     return TensorSpec(value.name, oip, triton, np_dtype, tuple(dims), tuple(names))
 
 
+def _from_mask(value: ir.Value | None, mask: str, hops: int = 4) -> bool:
+    while value is not None and hops >= 0:
+        if value.name == mask and value.producer() is None:
+            return True
+        node = value.producer()
+        if node is None or node.op_type not in ("Cast", "Reshape", "Flatten", "Identity") or not node.inputs:
+            return False
+        value, hops = node.inputs[0], hops - 1
+    return False
+
+
 def is_packed(model: ir.Model) -> bool:
-    """Whether graphopt's remove-padding rewrote ``model`` (its nodes' provenance says so)."""
+    """Whether graphopt's remove-padding rewrote ``model``: its nodes' provenance says so or, where the
+    metadata was stripped, the graph packs real tokens by ``NonZero`` of the flattened attention mask."""
     from graphopt.provenance import chain_of
 
-    return any("remove-padding" in chain_of(n) for n in ir.traversal.RecursiveGraphIterator(model.graph))
+    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    if any("remove-padding" in chain_of(n) for n in nodes):
+        return True
+    return any(n.op_type == "NonZero" and n.inputs and _from_mask(n.inputs[0], MASK_INPUT) for n in nodes)
 
 
 def signature(model: ir.Model) -> Signature:

@@ -166,3 +166,16 @@ def test_model_local_function_needs_only_its_body_ops():
                                                            helper.make_opsetid("ai.graphopt", 1)])
     req = ort_compat.requirements(ir.serde.deserialize_model(m))
     assert (req.min_version, req.providers, req.unknown) == ("1.12.0", ["cpu", "cuda"], [])
+
+
+def test_packing_detected_without_provenance(rp_model, minilm):
+    """Stripped of graphopt's node metadata, a remove-padding model is still recognised by its packing
+    (NonZero of the flattened mask); the plain export is not."""
+    from graphopt import io
+
+    model = io.load(rp_model)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        node.metadata_props.clear()
+    assert deploy.is_packed(model) and deploy.signature(model).padding == "remove-padding"
+    plain = io.load(minilm("dynamo", "sdpa"))
+    assert not deploy.is_packed(plain) and deploy.signature(plain).padding == "padded"
