@@ -157,6 +157,8 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, models):
          "shape [3], the model takes [-1, -1]"),
         (json.dumps({"inputs": [tensor("input_ids", [1, 3], ["a", "b", "c"])] + good[1:]}).encode(), 400,
          "data is not INT64"),
+        (json.dumps({"inputs": [tensor("input_ids", [2**40, 2**40], [])] + good[1:]}).encode(), 400,
+         "0 values for shape [1099511627776, 1099511627776]"),
         (b"x" * (2 << 20), 413, "exceeds the limit"),
     ]
     for body, status, message in raw_cases:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -74,7 +75,7 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
             raise InferError(f"input {name!r}: datatype {datatype!r} is not supported "
                              f"(supported: {', '.join(NP_TYPES)})")
         dtype = NP_TYPES[datatype]
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # Python ints: no overflow on absurd shapes
         size = (t.get("parameters") or {}).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or size != count * dtype.itemsize:
