@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Load benchmark of ``graphopt serve`` on loopback: concurrent clients sending single real sentences.
 
-Each variant is a ``graphopt serve`` subprocess on a free 127.0.0.1 port; ``--clients`` threads of this
-process (one ``tritonclient.http`` client each, binary tensors) send one tokenized sentence per request,
-closed loop, for ``--seconds`` or ``--max-requests`` per variant, whichever ends first; all variants'
-servers run at once and take turns in ``--rounds`` phases, so a slow spell of a shared machine hits all alike. Sentences come
-from tools/workload.py (real English, skewed lengths) tokenized by MiniLM's tokenizer.
+Each variant is a ``graphopt serve`` subprocess on a free 127.0.0.1 port; ``--clients`` concurrent clients
+(coroutines of this process, one ``tritonclient.http.aio`` client and connection each, binary tensors)
+send one tokenized sentence per request, closed loop, for ``--seconds`` or ``--max-requests`` per
+variant, whichever ends first; all variants' servers run at once and take turns in ``--rounds`` phases,
+so a slow spell of a shared machine hits all alike. Sentences come from tools/workload.py (real English,
+skewed lengths) tokenized by MiniLM's tokenizer.
 
 Every answer is checked: shape ``[1, L, 384]`` and the mean-pooled sentence embedding's cosine with the
 original fp32 export's (a direct ORT run of that sentence alone) at least ``--min-cosine``; a failed or
@@ -20,7 +21,7 @@ the plain export with batching (a padded model: batches group similar lengths) a
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import asyncio
 import importlib.util
 import json
 import os
@@ -28,7 +29,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -101,52 +101,53 @@ class Server:
 
 
 def load(url: str, rows, refs, *, clients: int, seconds: float, max_requests: int, min_cosine: float) -> dict:
-    import tritonclient.http as http
+    """One load phase: ``clients`` concurrent clients (coroutines of one event loop, each with its own
+    ``tritonclient.http.aio`` client and connection), closed loop."""
+    return asyncio.run(_load(url, rows, refs, clients=clients, seconds=seconds, max_requests=max_requests,
+                             min_cosine=min_cosine))
 
-    lock = threading.Lock()
+
+async def _load(url, rows, refs, *, clients, seconds, max_requests, min_cosine) -> dict:
+    import tritonclient.http as http
+    import tritonclient.http.aio as aio
+
     issued = [0]
     latencies: list[float] = []
     failures: list[str] = []
     stop = time.monotonic() + seconds
 
-    def worker(k: int) -> None:
-        c = http.InferenceServerClient(url, connection_timeout=30, network_timeout=30)
-        while time.monotonic() < stop:
-            with lock:
-                if issued[0] >= max_requests:
-                    return
+    async def worker() -> None:
+        async with aio.InferenceServerClient(url, conn_timeout=30) as c:
+            while time.monotonic() < stop and issued[0] < max_requests:
                 i = issued[0]
                 issued[0] += 1
-            ids = rows[i % len(rows)]
-            inputs = []
-            for name, arr in _feed(ids).items():
-                t = http.InferInput(name, list(arr.shape), "INT64")
-                t.set_data_from_numpy(arr, binary_data=True)
-                inputs.append(t)
-            t0 = time.perf_counter()
-            try:
-                out = c.infer("m", inputs).as_numpy("last_hidden_state")
-            except Exception as e:
-                with lock:
+                ids = rows[i % len(rows)]
+                inputs = []
+                for name, arr in _feed(ids).items():
+                    t = http.InferInput(name, list(arr.shape), "INT64")
+                    t.set_data_from_numpy(arr, binary_data=True)
+                    inputs.append(t)
+                t0 = time.perf_counter()
+                try:
+                    out = (await c.infer("m", inputs)).as_numpy("last_hidden_state")
+                except Exception as e:
                     failures.append(f"request {i}: {e}")
-                continue
-            dt = time.perf_counter() - t0
-            ok = out is not None and out.shape == (1, len(ids), 384) and float(_pool(out) @ refs[i % len(rows)]) >= min_cosine
-            with lock:
-                latencies.append(dt)
-                if not ok:
+                    continue
+                latencies.append(time.perf_counter() - t0)
+                if not (out is not None and out.shape == (1, len(ids), 384)
+                        and float(_pool(out) @ refs[i % len(rows)]) >= min_cosine):
                     failures.append(f"request {i}: wrong answer")
 
-    def counts():
-        st = http.InferenceServerClient(url).get_inference_statistics("m")["model_stats"][0]
+    async def counts():
+        async with aio.InferenceServerClient(url) as c:
+            st = (await c.get_inference_statistics("m"))["model_stats"][0]
         return st["inference_count"], st["execution_count"]
 
-    before = counts()
+    before = await counts()
     t_start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        list(pool.map(worker, range(clients)))
+    await asyncio.gather(*(worker() for _ in range(clients)))
     seconds = time.perf_counter() - t_start
-    after = counts()
+    after = await counts()
     return {"requests": issued[0], "latencies": latencies, "failures": failures, "seconds": seconds,
             "served": after[0] - before[0], "runs": after[1] - before[1]}
 
