@@ -113,9 +113,9 @@ class Runner:
     def groups(self, items: list[Item]) -> list[list[int]]:
         """Indices of ``items`` that share one session run."""
         order = range(len(items))
-        if self.sig.padding == "remove-padding" or not self.sig.batched:
-            if not self.sig.batched:
-                return [[i] for i in order]
+        if not self.sig.batched:
+            return [[i] for i in order]
+        if self.sig.padding == "remove-padding":
             return [list(order)]
         keyed: dict[Any, list[int]] = {}
         for i in order:
