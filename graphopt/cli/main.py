@@ -14,7 +14,7 @@ import sys
 
 import typer
 
-from graphopt.cli import bench, diff, export, feeds, inspect_cmd, optimize, passes, verify
+from graphopt.cli import bench, deploy, diff, export, feeds, inspect_cmd, optimize, passes, serve, verify
 from graphopt.errors import EXIT_ERROR, GraphoptError
 
 app = typer.Typer(
@@ -46,6 +46,8 @@ _command("bench", bench.command, no_args_is_help=True)
 _command("export", export.command, no_args_is_help=True)
 _command("feeds", feeds.command, no_args_is_help=True)
 _command("diff", diff.command, no_args_is_help=True)
+_command("deploy", deploy.command, no_args_is_help=True, epilog=deploy.EPILOG)
+_command("serve", serve.command, no_args_is_help=True, epilog=serve.EPILOG)
 
 _state = {"debug": False}
 

@@ -1,0 +1,141 @@
+"""Which ONNX Runtime a graph needs: the minimum version and the providers, from the ops it actually uses.
+
+Two tables, kept small and sourced (checked 2026-12 through the project's search tool):
+
+- ``OPSET_SINCE``: the first ORT release implementing each ONNX (default domain) opset, from ORT's
+  compatibility page (https://onnxruntime.ai/docs/reference/compatibility.html, "ONNX opset support";
+  the older rows also in ``docs/Versioning.md`` of microsoft/onnxruntime).
+- ``CONTRIB_SINCE``: the first ORT release with a kernel for each ``com.microsoft`` op graphopt emits or
+  accepts, per provider. Sources: ORT ``docs/ContribOperators.md`` / ``docs/OperatorKernels.md`` and the
+  pull requests that added the ops: RemovePadding/RestorePadding microsoft/onnxruntime#13701 (merged
+  2022-11, first in 1.14, CUDA only); PackedMultiHeadAttention #16779 (2023-07, 1.16, CUDA only);
+  MatMulNBits #17890 (2023-10, 1.17; intel/neural-compressor#1327 "Support MatMulNBit op for ort 1.17");
+  RotaryEmbedding and MultiHeadAttention's CPU causal mask #19112 (label release:1.17.0). The BERT ops
+  (Attention, SkipLayerNormalization, EmbedLayerNormalization, BiasGelu, FastGelu, Gelu, FusedMatMul)
+  date from ORT 1.2-1.3's transformer optimizations; those rows say "no later than" and never decide the
+  minimum of a real export, whose opset (>= 13) needs a later release anyway.
+
+An op missing from the table makes the answer the installed ORT version (the one graphopt verified with),
+with the op named in ``unknown``: a floor we know holds, never a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from graphopt.opsets import MS_DOMAIN, default_opset, node_domain
+
+#: ONNX opset -> first ONNX Runtime release implementing it
+OPSET_SINCE: dict[int, str] = {
+    7: "0.1.4", 8: "0.1.4", 9: "0.3.0", 10: "0.4.0", 11: "1.0.0", 12: "1.3.0", 13: "1.6.0", 14: "1.8.0",
+    15: "1.9.0", 16: "1.11.0", 17: "1.12.0", 18: "1.14.0", 19: "1.15.0", 20: "1.17.0", 21: "1.18.0",
+    22: "1.21.0", 23: "1.23.0",
+}
+
+#: com.microsoft op -> {provider: first ORT release with a kernel for it}
+CONTRIB_SINCE: dict[str, dict[str, str]] = {
+    "Attention": {"cpu": "1.3.0", "cuda": "1.3.0"},
+    "EmbedLayerNormalization": {"cpu": "1.3.0", "cuda": "1.3.0"},
+    "SkipLayerNormalization": {"cpu": "1.3.0", "cuda": "1.3.0"},
+    "BiasGelu": {"cpu": "1.3.0", "cuda": "1.3.0"},
+    "FastGelu": {"cpu": "1.3.0", "cuda": "1.3.0"},
+    "Gelu": {"cpu": "1.3.0", "cuda": "1.3.0"},
+    "FusedMatMul": {"cpu": "1.3.0", "cuda": "1.3.0"},
+    "QAttention": {"cpu": "1.5.0"},
+    "DynamicQuantizeMatMul": {"cpu": "1.6.0"},
+    "MatMulIntegerToFloat": {"cpu": "1.7.0"},
+    "QuickGelu": {"cpu": "1.10.0", "cuda": "1.10.0"},
+    "MultiHeadAttention": {"cpu": "1.14.0", "cuda": "1.13.0"},
+    "RemovePadding": {"cuda": "1.14.0"},
+    "RestorePadding": {"cuda": "1.14.0"},
+    "PackedAttention": {"cuda": "1.15.0"},
+    "SkipSimplifiedLayerNormalization": {"cpu": "1.15.0", "cuda": "1.15.0"},
+    "PackedMultiHeadAttention": {"cuda": "1.16.0"},
+    "RotaryEmbedding": {"cpu": "1.17.0", "cuda": "1.17.0"},
+    "MatMulNBits": {"cpu": "1.17.0", "cuda": "1.17.0"},
+    "GroupQueryAttention": {"cpu": "1.18.0", "cuda": "1.17.0"},
+}
+
+#: ops ORT registers in the default domain although ONNX has no such op (kernels since the version shown)
+ORT_ONNX_DOMAIN_OPS: dict[str, dict[str, str]] = {
+    "SimplifiedLayerNormalization": {"cpu": "1.6.0", "cuda": "1.6.0"},
+}
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+
+
+def _max(versions) -> str:
+    return max(versions, key=_key)
+
+
+@dataclasses.dataclass
+class Requirements:
+    """What a graph needs from ONNX Runtime."""
+
+    min_version: str
+    #: providers with a kernel for every op (subset of "cpu", "cuda")
+    providers: list[str]
+    #: why: the entries that set the minimum (``"opset 20"``, ``"com.microsoft::MatMulNBits"``)
+    decided_by: list[str]
+    contrib_ops: list[str]
+    opset: int
+    #: ops not in the tables (the minimum is then the installed ORT version)
+    unknown: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _ops(model: ir.Model) -> set[tuple[str, str]]:
+    ops = set()
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        ops.add((node_domain(node), node.op_type))
+    for fn in model.functions.values():  # model-local functions: their bodies are what ORT runs
+        for node in ir.traversal.RecursiveGraphIterator(fn):
+            ops.add((node_domain(node), node.op_type))
+    return ops
+
+
+def requirements(model: ir.Model) -> Requirements:
+    """The minimum ONNX Runtime version and the providers that can run ``model``."""
+    import onnxruntime as ort
+
+    installed = ort.__version__.split("+")[0]
+    opset = default_opset(model)
+    needs: dict[str, str] = {}
+    if opset:
+        needs[f"opset {opset}"] = OPSET_SINCE.get(opset, installed)
+    tables: dict[str, dict[str, str]] = {}
+    contrib, unknown = [], []
+    local_domains = {fn.domain for fn in model.functions.values()}
+    for domain, op in sorted(_ops(model)):
+        if domain == MS_DOMAIN:
+            contrib.append(op)
+            table = CONTRIB_SINCE.get(op)
+        elif domain == "" and op in ORT_ONNX_DOMAIN_OPS:
+            table = ORT_ONNX_DOMAIN_OPS[op]
+        elif domain in ("", "ai.onnx.ml") or domain in local_domains:
+            continue
+        else:
+            table = None
+        if table is None:
+            unknown.append(f"{domain}::{op}")
+            needs[f"{domain}::{op}"] = installed
+        else:
+            tables[f"{domain}::{op}"] = table
+    providers = {"cpu", "cuda"}
+    for table in tables.values():
+        providers &= set(table)
+    for name, table in tables.items():
+        # the release where the op runs on every provider that can run the whole graph
+        needs[name] = _max([table[p] for p in providers] or table.values())
+    if not needs:
+        needs["opset"] = OPSET_SINCE[7]
+    top = _max(needs.values())
+    decided = sorted(k for k, v in needs.items() if _key(v) == _key(top))
+    return Requirements(min_version=top, providers=sorted(providers), decided_by=decided,
+                        contrib_ops=sorted(set(contrib)), opset=opset, unknown=unknown)
