@@ -39,7 +39,6 @@ def command(
     version and the providers the graph's ops need, and the input contract (what padding means).
     """
     from graphopt.cli.console import make_console
-
     from graphopt.deploy import deploy, read_manifest
 
     dst = deploy(model, output, name=name, max_batch=max_batch, provider=str(provider), instances=instances,
