@@ -137,10 +137,17 @@ def _session(model, provider: str, optimize: bool = False):
 def _run_streaming(sess, feeds, comparer: Comparer | None = None,
                    reference: Sequence[Mapping[str, np.ndarray]] | None = None) -> OutputStore:
     """Run ``sess`` feed by feed into an OutputStore, folding each feed into ``comparer`` on the way."""
+    import onnxruntime as ort
+
     outs = OutputStore()
+    names = [o.name for o in sess.get_outputs()]
+    wanted = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
+    # give the arena back after each run: with feeds of many shapes it would otherwise keep growing
+    opts = ort.RunOptions()
+    opts.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     for i, feed in enumerate(feeds):
         try:
-            out = runtime.run(sess, [feed])[0]
+            out = dict(zip(names, sess.run(names, {k: v for k, v in feed.items() if k in wanted}, opts)))
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RuntimeSetupError(f"ONNX Runtime failed running the model: {msg}") from e
