@@ -207,6 +207,43 @@ class _Accumulator:
         return d
 
 
+class Comparer:
+    """Streaming form of :func:`compare`: add one feed's outputs at a time, keep only running sums.
+
+    ``add(got, ref, feed)`` takes the outputs of one feed (``feed`` supplies the attention mask);
+    ``result()`` gives the same :class:`Comparison` as ``compare`` over all the feeds added, so a
+    caller never needs more than one feed's tensors in memory.
+    """
+
+    def __init__(self, outputs: Sequence[str] | None = None, *, atol: float = 1e-4, rtol: float = 1e-4):
+        self.atol, self.rtol = atol, rtol
+        self._names = list(outputs) if outputs is not None else None
+        self._accs: dict[str, _Accumulator] = {}
+        if self._names is not None:
+            self._accs = {n: _Accumulator(n, atol, rtol) for n in self._names}
+
+    def add(self, got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray],
+            feed: Mapping[str, np.ndarray] | None = None, *, names: Sequence[str] | None = None) -> None:
+        """Fold one feed's outputs ``got`` (compared) and ``ref`` (reference) into the statistics.
+
+        ``names``: only these outputs (a part of one feed's outputs; the other parts come in other
+        calls), else every output.
+        """
+        if self._names is None:  # the first reference names the outputs, as in compare()
+            self._names = list(ref.keys())
+            self._accs = {n: _Accumulator(n, self.atol, self.rtol) for n in self._names}
+        mask = find_mask(feed) if feed is not None else None
+        for n in self._names if names is None else names:
+            if n not in got:
+                self._accs[n].d.shape_mismatch = "output missing"
+                continue
+            self._accs[n].add(got[n], ref[n], mask)
+
+    def result(self) -> Comparison:
+        """The comparison over every feed added so far."""
+        return Comparison({n: a.result() for n, a in self._accs.items()})
+
+
 def compare(
     got: Sequence[Mapping[str, np.ndarray]],
     ref: Sequence[Mapping[str, np.ndarray]],
@@ -220,20 +257,15 @@ def compare(
 
     ``feeds[i]`` supplies the attention mask for ``got[i]``/``ref[i]``. Only outputs present in
     ``ref`` are compared (restricted to ``outputs`` when given); one missing from ``got`` is a
-    shape mismatch.
+    shape mismatch. ``got``/``ref`` may be any sequences (e.g. ``graphopt.outputs.OutputStore``);
+    they are read one feed at a time.
     """
     if len(got) != len(ref):
         raise ValueError(f"{len(got)} result sets against {len(ref)} references")
-    names = list(outputs) if outputs is not None else list(ref[0].keys()) if ref else []
-    accs = {n: _Accumulator(n, atol, rtol) for n in names}
+    comparer = Comparer(outputs if outputs is not None else None if len(ref) else [], atol=atol, rtol=rtol)
     for i, (g, r) in enumerate(zip(got, ref)):
-        mask = find_mask(feeds[i]) if feeds is not None else None
-        for n in names:
-            if n not in g:
-                accs[n].d.shape_mismatch = "output missing"
-                continue
-            accs[n].add(g[n], r[n], mask)
-    return Comparison({n: a.result() for n, a in accs.items()})
+        comparer.add(g, r, feeds[i] if feeds is not None else None)
+    return comparer.result()
 
 
 # ---------------------------------------------------------------- budgets

@@ -22,7 +22,8 @@ import onnx_ir as ir
 
 from graphopt import io, runtime, standins
 from graphopt.errors import RuntimeSetupError, UsageError, VerificationError, first_line
-from graphopt.metrics import Budget, Comparison, compare, parse_budget
+from graphopt.metrics import Budget, Comparer, Comparison, compare, parse_budget
+from graphopt.outputs import OutputStore
 
 LEVELS = ("off", "structure", "numeric")
 
@@ -84,7 +85,7 @@ class Verdict:
     ok: bool
     comparison: Comparison | None = None
     reason: str = ""
-    outputs: list[dict[str, np.ndarray]] | None = None
+    outputs: OutputStore | None = None  # per-feed outputs (list-like; see graphopt.outputs)
     #: CUDA-only op types that ran as their CPU stand-ins (graphopt.standins), not as themselves
     stand_ins: list[str] = dataclasses.field(default_factory=list)
 
@@ -109,21 +110,47 @@ def run_model(
     *,
     provider: str = "cpu",
     optimize: bool = False,
-) -> list[dict[str, np.ndarray]]:
+) -> OutputStore:
     """Outputs of ``model`` on each feed, from an ORT session (optimizations off by default).
 
-    An ``onnx_ir`` model with CUDA-only ops runs through their stand-ins where CUDA is not used.
+    The result is list-like (``result[i]`` is feed ``i``'s ``{output: array}``) and holds at most
+    ``graphopt.outputs.MEMORY_BYTES`` in memory, the rest in a temp folder, so its memory does not
+    grow with the number of feeds. An ``onnx_ir`` model with CUDA-only ops runs through their
+    stand-ins where CUDA is not used.
     """
+    return _run_streaming(_session(model, provider, optimize), feeds)
+
+
+def _session(model, provider: str, optimize: bool = False):
     if isinstance(model, ir.Model):
         try:
             model, _ = runnable(model, provider)
         except ValueError as e:
             raise RuntimeSetupError(f"cannot run the model on CPU: {e}") from None
-    sess = runtime.make_session(model, provider=provider, optimize=optimize)
-    try:
-        return runtime.run(sess, feeds)
-    except Exception as e:
-        raise RuntimeSetupError(f"ONNX Runtime failed running the model: {first_line(e)}") from e
+    return runtime.make_session(model, provider=provider, optimize=optimize)
+
+
+def _run_streaming(sess, feeds, comparer: Comparer | None = None,
+                   reference: Sequence[Mapping[str, np.ndarray]] | None = None) -> OutputStore:
+    """Run ``sess`` feed by feed into an OutputStore, folding each feed into ``comparer`` on the way."""
+    import onnxruntime as ort
+
+    outs = OutputStore()
+    names = [o.name for o in sess.get_outputs()]
+    wanted = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
+    # give the arena back after each run: with feeds of many shapes it would otherwise keep growing
+    opts = ort.RunOptions()
+    opts.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    for i, feed in enumerate(feeds):
+        try:
+            out = dict(zip(names, sess.run(names, {k: v for k, v in feed.items() if k in wanted}, opts)))
+        except Exception as e:
+            raise RuntimeSetupError(f"ONNX Runtime failed running the model: {first_line(e)}") from e
+        if comparer is not None:
+            comparer.add(out, reference[i], feed)
+        outs.append(out)
+        del out
+    return outs
 
 
 def verify(
@@ -173,13 +200,17 @@ def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, pro
         except RuntimeSetupError as e:
             return Verdict(level, False, reason=f"{where}: {e.message}")
         return Verdict(level, True)
+    if reference is not None and len(reference) != len(feeds):
+        raise ValueError(f"{len(feeds)} feeds against {len(reference)} references")
+    # feed by feed: each feed's outputs are compared as they come, then kept only in the store
+    comparer = Comparer(atol=atol, rtol=rtol) if reference is not None else None
     try:
-        outs = run_model(data if data is not None else proto, feeds, provider=provider)
+        outs = _run_streaming(_session(data if data is not None else proto, provider), feeds, comparer, reference)
     except RuntimeSetupError as e:
         return Verdict(level, False, reason=f"{where}: {e.message}")
-    if reference is None:
+    if comparer is None:
         return Verdict(level, True, outputs=outs)
-    cmp = compare(outs, reference, feeds, atol=atol, rtol=rtol)
+    cmp = comparer.result()
     if budget:
         fails = budget.failures(cmp)
         ok = not fails

@@ -1,7 +1,8 @@
 """Calibration for the ``quantize`` pass: activation statistics and range calibrators.
 
-``collect`` runs the float model once over the calibration feeds with the wanted activations added as
-graph outputs and keeps, per activation: min/max, per-channel |max| (SmoothQuant), a random sample
+``collect`` runs the float model over the calibration feeds one feed at a time, with the wanted
+activations added as graph outputs, and keeps running statistics only (memory does not grow with
+the number of feeds), per activation: min/max, per-channel |max| (SmoothQuant), a random sample
 of rows (local error estimates, SmoothQuant alpha search) and optionally XᵀX (GPTQ). Rows at padded
 positions (attention mask 0) are left out. A second run fills signed histograms when a
 histogram-based calibrator asks for them.
@@ -89,10 +90,13 @@ def collect(
     rng = np.random.default_rng(seed)
     stats = {n: Stats() for n in names}
     samples: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    per_feed = max(1, sample_rows // len(feeds))
+    n_feeds = len(feeds)
+    per_feed = max(1, sample_rows // n_feeds)
     xtx_for = set(xtx_for)
     results = []
-    for feed in feeds:
+    for i, feed in enumerate(feeds):
+        # rows sampled from this feed: sample_rows in all, also when there are more feeds than that
+        take = per_feed if n_feeds <= sample_rows else (i + 1) * sample_rows // n_feeds - i * sample_rows // n_feeds
         out = runtime.run(sess, [feed], outputs=names)[0]
         mask = find_mask(feed)
         for n in names:
@@ -104,8 +108,9 @@ def collect(
             cmin, cmax = r.min(axis=0), r.max(axis=0)
             s.chan_min = cmin if s.chan_min is None else np.minimum(s.chan_min, cmin)
             s.chan_max = cmax if s.chan_max is None else np.maximum(s.chan_max, cmax)
-            idx = rng.choice(r.shape[0], size=min(per_feed, r.shape[0]), replace=False)
-            samples[n].append(r[idx])
+            if take:
+                idx = rng.choice(r.shape[0], size=min(take, r.shape[0]), replace=False)
+                samples[n].append(r[idx])
             s.n_rows += r.shape[0]
             if n in xtx_for:
                 xx = r.T.astype(np.float64) @ r.astype(np.float64)

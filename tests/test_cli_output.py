@@ -172,9 +172,9 @@ def test_missing_inputs_are_usage_errors_everywhere(run_cli, tmp_path, mlp_path)
 
 
 def test_unknown_command_is_a_one_line_usage_error(run_cli):
-    code, out, err = run_cli("deploy", "model.onnx")
+    code, out, err = run_cli("frobnicate", "model.onnx")
     assert code == 2 and out == ""
-    assert err.splitlines() == ["error: No such command 'deploy'.", "hint: 'graphopt -h' for help"], err
+    assert err.splitlines() == ["error: No such command 'frobnicate'.", "hint: 'graphopt -h' for help"], err
     code, _, err = run_cli("inspect", "--no-such-option", "m.onnx")
     assert code == 2 and err.splitlines()[0] == "error: No such option: --no-such-option", err
     assert err.splitlines()[1] == "hint: 'graphopt inspect -h' for help"

@@ -18,10 +18,14 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.diff import staged
 from graphopt.diff.structural import Matching, op_key
 from graphopt.errors import GraphoptError
 
 logger = logging.getLogger(__name__)
+
+#: A values compared per step of a staged run (bounds the intermediates alive at once)
+GROUP = 16
 
 
 def _pairs(m: Matching) -> list[tuple[ir.Value, ir.Value]]:
@@ -67,6 +71,74 @@ def _feeds_for(ma: ir.Model, mb: ir.Model, feeds):
     return feeds
 
 
+def _ort_error(e: Exception) -> GraphoptError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return GraphoptError(f"numeric diff: ONNX Runtime failed to run the models: {msg}")
+
+
+def _compare_pairs(ma: ir.Model, mb: ir.Model, pairs, feeds, atol: float, rtol: float):
+    """Running comparison of every pair over ``feeds``, one feed and one group of pairs at a time.
+
+    Both models run staged (``graphopt.diff.staged``): group ``c`` holds ``GROUP`` of A's values in
+    topological order and their B partners; each group is compared, then dropped. Where a model
+    cannot be cut, both run whole (every intermediate of one feed at once), as before.
+    """
+    a_names = [va.name for va, _ in pairs]
+    distinct = list(dict.fromkeys(a_names))
+    group_of = {n: k // GROUP for k, n in enumerate(distinct)}
+    n_groups = (len(distinct) + GROUP - 1) // GROUP
+    groups = [[] for _ in range(n_groups)]
+    for va, vb in pairs:
+        groups[group_of[va.name]].append((va.name, vb.name))
+    try:
+        runs = (staged.StagedRun(ir.serde.serialize_model(ma), [[a for a, _ in g] for g in groups]),
+                staged.StagedRun(ir.serde.serialize_model(mb), [[b for _, b in g] for g in groups]))
+        return _compare_runs(runs, groups, a_names, feeds, atol, rtol)
+    except Exception as e:  # a model the cut does not suit: run both whole
+        logger.debug("numeric diff: staged run failed (%s); running both models whole", e, exc_info=True)
+    whole = [[(va.name, vb.name) for va, vb in pairs]]
+    try:
+        runs = (_WholeRun(_with_outputs(ma, a_names)), _WholeRun(_with_outputs(mb, [vb.name for _, vb in pairs])))
+        return _compare_runs(runs, whole, a_names, feeds, atol, rtol)
+    except GraphoptError:
+        raise
+    except Exception as e:
+        raise _ort_error(e) from e
+
+
+class _WholeRun:
+    """The model in one session with every wanted value as a graph output: one group per feed."""
+
+    def __init__(self, proto):
+        from graphopt import runtime
+
+        self.sess = runtime.make_session(proto, optimize=False)
+
+    def run(self, feed):
+        from graphopt import runtime
+
+        yield runtime.run(self.sess, [feed], [o.name for o in self.sess.get_outputs()])[0]
+
+
+def _compare_runs(runs, groups, a_names, feeds, atol, rtol):
+    from graphopt import metrics
+
+    comparer = metrics.Comparer(a_names, atol=atol, rtol=rtol)
+    sets = [{a for a, _ in g} for g in groups]
+    names_of = [[n for n in a_names if n in group] for group in sets]  # repeats kept, as compare() had them
+    for feed in feeds:
+        for g, names, oa, ob in zip(groups, names_of, *(r.run(feed) for r in runs), strict=True):
+            got, ref = {}, {}
+            for a, b in g:  # B's tensors keyed by their A counterpart's name (the last pair wins, as before)
+                if b in ob:
+                    got[a] = ob[b]
+                if a in oa:
+                    ref[a] = oa[a]
+            comparer.add(got, ref, feed, names=names)
+            del got, ref, oa, ob
+    return comparer.result()
+
+
 def numeric_diff(
     ma: ir.Model,
     mb: ir.Model,
@@ -77,27 +149,9 @@ def numeric_diff(
     rtol: float = 1e-4,
 ) -> dict[str, Any]:
     """Compare the paired intermediate tensors of ``ma`` and ``mb``; see the module docstring."""
-    from graphopt import metrics, runtime
-
     feeds = _feeds_for(ma, mb, feeds)
     pairs = _pairs(m)
-    a_names = [va.name for va, _ in pairs]
-    b_names = [vb.name for _, vb in pairs]
-    try:
-        sa = runtime.make_session(_with_outputs(ma, a_names), optimize=False)
-        sb = runtime.make_session(_with_outputs(mb, b_names), optimize=False)
-        ra = runtime.run(sa, feeds, [o.name for o in sa.get_outputs()])
-        rb = runtime.run(sb, feeds, [o.name for o in sb.get_outputs()])
-    except GraphoptError:
-        raise
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GraphoptError(f"numeric diff: ONNX Runtime failed to run the models: {msg}") from e
-    # B's tensors keyed by their A counterpart's name
-    got = [{va.name: r[vb.name] for va, vb in pairs if vb.name in r} for r in rb]
-    ref = [{va.name: r[va.name] for va, _ in pairs if va.name in r} for r in ra]
-    comp = metrics.compare(got, ref, feeds, atol=atol, rtol=rtol, outputs=a_names)
-
+    comp = _compare_pairs(ma, mb, pairs, feeds, atol, rtol)
     a_idx = {id(n): i for i, n in enumerate(m.a_nodes)}
     b_idx = {id(n): j for j, n in enumerate(m.b_nodes)}
     tensors = []
