@@ -104,6 +104,12 @@ CONTRIB_FP32_OUTPUTS = {"SkipLayerNormalization": (1, 2), "SkipSimplifiedLayerNo
                         "SimplifiedLayerNormalization": (1,)}
 
 
+def _set_dtype(v: ir.Value, dtype: ir.DataType) -> None:
+    """Give ``v`` a new tensor type: ``Model.clone()`` shares type objects, so ``v.dtype = ...`` (which
+    mutates the type in place) would change the model the pipeline cloned from as well."""
+    v.type = ir.TensorType(dtype)
+
+
 def _schema(node: ir.Node, opset: int):
     try:
         return onnx.defs.get_schema(node.op_type, opset, node_domain(node))
@@ -146,16 +152,16 @@ class _Run:
             if not missing:
                 continue
             if node.op_type == "Cast" and node_domain(node) == "":
-                node.outputs[0].dtype = ir.DataType(node.attributes["to"].value)
+                _set_dtype(node.outputs[0], ir.DataType(node.attributes["to"].value))
                 continue
             if node.op_type in ("Constant", "ConstantOfShape") and node_domain(node) == "":
                 value = node.attributes.get("value")
                 if value is not None and value.type == ir.AttributeType.TENSOR:
-                    node.outputs[0].dtype = value.value.dtype
+                    _set_dtype(node.outputs[0], value.value.dtype)
                 elif node.op_type == "ConstantOfShape" or {"value_float", "value_floats"} & set(node.attributes):
-                    node.outputs[0].dtype = F32
+                    _set_dtype(node.outputs[0], F32)
                 elif {"value_int", "value_ints"} & set(node.attributes):
-                    node.outputs[0].dtype = ir.DataType.INT64
+                    _set_dtype(node.outputs[0], ir.DataType.INT64)
                 continue
             schema = _schema(node, self.opsets.get(node_domain(node), 1)) if node_domain(node) == "" else None
             if schema is None:
@@ -163,7 +169,7 @@ class _Run:
                               and i.dtype.is_floating_point()), None)
                 if known is not None:
                     for o in missing:
-                        o.dtype = known
+                        _set_dtype(o, known)
                 continue
             ins = _param_positions(schema.inputs, len(node.inputs))
             outs = _param_positions(schema.outputs, len(node.outputs))
@@ -178,7 +184,7 @@ class _Run:
                 if src is None and p and p not in allowed:  # a fixed type written in the schema
                     src = _dtype_of(p)
                 if src is not None:
-                    o.dtype = src
+                    _set_dtype(o, src)
 
     # ------------------------------------------------------------------ plan of a node
     def is_float(self, v: ir.Value | None) -> bool:
@@ -316,7 +322,7 @@ class _Run:
         self.infer_dtypes()
         for v in self.graph.inputs:
             if v.dtype == F32 and not self.keep_io:
-                v.dtype = self.low
+                _set_dtype(v, self.low)
             if v.dtype is not None:
                 self.prec[v] = v.dtype
         for node in list(self.graph):
@@ -339,7 +345,7 @@ class _Run:
                     if new is not node.inputs[i]:
                         node.replace_input_with(i, new)
                 for j in outs:
-                    node.outputs[j].dtype = p
+                    _set_dtype(node.outputs[j], p)
                     self.prec[node.outputs[j]] = p
             for i, v in enumerate(node.inputs):
                 if i not in grouped_in and self.is_float(v):
