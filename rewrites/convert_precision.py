@@ -88,7 +88,7 @@ CONTRIB_CUDA: dict[str, frozenset[ir.DataType]] = {
     "SkipSimplifiedLayerNormalization": frozenset({F16, BF16}),
     "SimplifiedLayerNormalization": frozenset({F16, BF16}),
     "EmbedLayerNormalization": frozenset({F16}),
-    "BiasGelu": frozenset({F16}),
+    "BiasGelu": frozenset({F16, BF16}),  # contrib_ops/cuda/math/bias_gelu.cc
     "FastGelu": frozenset({F16, BF16}),
     "Gelu": frozenset({F16, BF16}),
     "QuickGelu": frozenset({F16, BF16}),
@@ -167,9 +167,13 @@ class _Run:
             if schema is None:
                 known = next((i.dtype for i in node.inputs if i is not None and i.dtype is not None
                               and i.dtype.is_floating_point()), None)
+                # contrib ops: output 0 (and a Skip*LayerNormalization's input_skip_bias_sum) is their T;
+                # other outputs (mask_index int32, fp32 statistics) are left unknown
+                typed = (0, 3) if node.op_type.startswith("Skip") else (0,)
                 if known is not None:
-                    for o in missing:
-                        _set_dtype(o, known)
+                    for j in typed:
+                        if j < len(node.outputs) and node.outputs[j].dtype is None:
+                            _set_dtype(node.outputs[j], known)
                 continue
             ins = _param_positions(schema.inputs, len(node.inputs))
             outs = _param_positions(schema.outputs, len(node.outputs))

@@ -23,7 +23,8 @@ F32, F16, BF16 = ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
 
 
 def _toy(contrib: bool = False) -> ir.Model:
-    """x -> MatMul -> Add -> Softmax -> MatMul -> LayerNorm -> Mul(Cast(mask)) [-> BiasGelu] -> y."""
+    """x -> MatMul -> Add -> Softmax -> MatMul -> LayerNorm -> Mul(Cast(mask)) -> y; with ``contrib``
+    the last step is BiasGelu(. + EmbedLayerNormalization(ids))."""
     rng = np.random.default_rng(0)
 
     def init(name, *shape):
@@ -43,21 +44,26 @@ def _toy(contrib: bool = False) -> ir.Model:
     inits.append(numpy_helper.from_array(np.array([-1], np.int64), "ax"))
     opsets = [helper.make_opsetid("", 20)]
     if contrib:
-        inits.append(init("gb", 8))
-        nodes.append(helper.make_node("BiasGelu", ["y0", "gb"], ["y"], domain="com.microsoft"))
+        inits += [init("gb", 8), init("word", 16, 8), init("pos", 8, 8), init("eg", 8), init("eb", 8)]
+        nodes += [helper.make_node("EmbedLayerNormalization", ["ids", "", "word", "pos", "", "eg", "eb"],
+                                   ["emb", "mask_index"], domain="com.microsoft", epsilon=1e-12),
+                  helper.make_node("Add", ["y0", "emb"], ["y1"]),
+                  helper.make_node("BiasGelu", ["y1", "gb"], ["y"], domain="com.microsoft")]
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     else:
         nodes.append(helper.make_node("Identity", ["y0"], ["y"]))
     graph = helper.make_graph(
         nodes, "toy",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 8]),
-         helper.make_tensor_value_info("mask", TensorProto.INT64, [2, 4])],
+         helper.make_tensor_value_info("mask", TensorProto.INT64, [2, 4])]
+        + ([helper.make_tensor_value_info("ids", TensorProto.INT32, [2, 4])] if contrib else []),
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 8])], inits)
     return ir.from_proto(onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=opsets)))
 
 
 FEEDS = [{"x": np.random.default_rng(1).standard_normal((2, 4, 8)).astype(np.float32),
-          "mask": np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.int64)}]
+          "mask": np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.int64),
+          "ids": np.array([[1, 5, 7, 2], [3, 15, 0, 9]], np.int32)}]
 
 
 def _convert(model: ir.Model, provider: str = "cpu", **options):
@@ -120,8 +126,8 @@ def test_bf16_verifies_through_stand_ins():
     model = _toy(contrib=True)
     _convert(model, precision="bf16")
     _check_converted(model, BF16)
-    # BiasGelu has no bf16 CUDA kernel: it stays fp32 (fp16 below converts it)
-    assert _dtypes(model, "BiasGelu") == {F32}
+    # EmbedLayerNormalization has no bf16 CUDA kernel: an fp32 island (fp16 below converts it); BiasGelu has one
+    assert _dtypes(model, "EmbedLayerNormalization") == {F32} and _dtypes(model, "BiasGelu") == {BF16}
     with pytest.raises(Exception, match="NOT_IMPLEMENTED|implementation"):
         make_session(model, optimize=False)  # no bf16 MatMul on the CPU provider
     runnable, replaced = standins.cpu_runnable(model)
@@ -130,7 +136,8 @@ def test_bf16_verifies_through_stand_ins():
     assert compare(got, ref, FEEDS).worst("cosine") > 0.999
     fp16 = _toy(contrib=True)
     _convert(fp16, precision="fp16")
-    assert _dtypes(fp16, "BiasGelu") == {F16}
+    assert _dtypes(fp16, "BiasGelu") == {F16} and _dtypes(fp16, "EmbedLayerNormalization") == {F16}
+    assert _cast_pairs(fp16) == 0
 
 
 def test_keep_io_types_false_and_block_option():
@@ -239,7 +246,7 @@ def test_minilm_after_default_recipe(minilm_path, minilm_default, precision):
         assert any("precision stand-ins for" in n and "MatMul(float16)" in n for n in rec.notes)
         got = run(make_session(io.to_proto(model).SerializeToString(), optimize=True), feeds)  # stock ORT, as saved
     else:
-        assert ops[("BiasGelu", F32)] == 6  # no bf16 CUDA kernel: an fp32 island
+        assert ops[("BiasGelu", BF16)] == 6
         assert "MatMul(bfloat16)" in rec.verification["cpu_stand_ins"]
         got = run_model(model, feeds)  # ORT has no bf16 CPU kernels: through the stand-ins
     cmp = compare(got, ref, feeds)
