@@ -38,7 +38,9 @@ fp32, outputs rounded to the target type: what the CUDA kernels compute, with fp
 the report names them. The budget (``default_budget``, or ``--budget``) is confirmed by the pipeline
 on held-back feeds against the input model; the pass itself makes one candidate.
 
-Refuses (model unchanged, note): a model with no float initializer and no float compute.
+Refuses (model unchanged, note): a model with no float initializer and no float compute; a model whose
+subgraphs (If/Loop/Scan bodies) read float values of the main graph directly (nodes with subgraphs
+are otherwise fp32 islands, their bodies untouched).
 """
 
 from __future__ import annotations
@@ -435,6 +437,21 @@ def fold_cast_pairs(graph: ir.Graph) -> int:
     return folded
 
 
+def _captured_floats(graph: ir.Graph) -> list[str]:
+    """Names of main-graph float values that nodes inside subgraphs read directly (implicit captures)."""
+    names = []
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.graph is graph:
+            continue
+        for v in node.inputs:
+            if v is None or v.dtype != F32:
+                continue
+            owner = v.producer().graph if v.producer() is not None else v.graph
+            if owner is graph and v.name not in names:
+                names.append(v.name or "?")
+    return names
+
+
 def _float_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values()
                if v.const_value is not None and v.dtype is not None and v.dtype.is_floating_point())
@@ -462,8 +479,15 @@ class ConvertPrecision(GraphoptPass):
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         low = PRECISIONS[self.precision]
-        before = _float_bytes(model)
         run = _Run(model, low, self._block_set(), self.keep_io_types)
+        model.graph.sort()
+        run.infer_dtypes()  # adds element types only where the model has none
+        captured = _captured_floats(model.graph)
+        if captured:
+            return PassResult(model, False, notes=[
+                f"not applied: subgraphs (If/Loop/Scan bodies) read outer float values ({', '.join(captured[:3])}); "
+                "converting them would change the bodies' input types"])
+        before = _float_bytes(model)
         run.run()
         computed_low = sum(1 for v, p in run.prec.items() if p == low and not v.is_graph_input())
         if not run.counts["initializers"] and not computed_low:

@@ -161,6 +161,20 @@ def test_refusals_and_bad_options():
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]))
     result = _convert(model)
     assert not result.modified and "not applied" in result.notes[0]
+    # an If body reading the main graph's float value directly
+    then = helper.make_graph([helper.make_node("Relu", ["f"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
+    other = helper.make_graph([helper.make_node("Neg", ["f"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["f"]),
+                               helper.make_node("If", ["c"], ["o"], then_branch=then, else_branch=other)], "if",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+                               helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2])])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]))
+    result = _convert(model)
+    assert not result.modified and "subgraphs" in result.notes[0] and "'f'" not in result.notes[0]
+    assert "(f)" in result.notes[0] and all(n.outputs[0].dtype == F32 for n in model.graph)
     with pytest.raises(UsageError, match="precision"):
         registry.create("convert-precision", {"precision": "fp8"})
 
