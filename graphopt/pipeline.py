@@ -98,7 +98,7 @@ def optimize(
     if not isinstance(budget, Budget):
         budget = parse_budget(budget)
     if recipe is None:
-        recipe = recipe_mod.from_pass_list(passes) if passes else recipe_mod.default()
+        recipe = recipe_mod.from_pass_list(passes) if passes else recipe_mod.default(provider)
     if overrides:
         recipe.apply_overrides(overrides)
     instances = recipe.build()

@@ -103,14 +103,20 @@ def from_dict(data: dict, name: str = "recipe") -> Recipe:
     return Recipe(str(data.get("name", name)), steps, str(data.get("description", "")))
 
 
-def load(path: str | Path) -> Recipe:
-    """Load a recipe TOML file (or a builtin recipe by name, e.g. ``default``)."""
+def load(path: str | Path, provider: str = "cpu") -> Recipe:
+    """Load a recipe TOML file, or a builtin recipe by name (e.g. ``default``).
+
+    A builtin recipe may have a variant for a provider, ``NAME.PROVIDER.toml`` (``default.cuda.toml``):
+    it is chosen when ``provider`` is that provider, else ``NAME.toml``.
+    """
     p = Path(path)
     if not p.exists():
         builtin = builtin_names()
         if str(path) in builtin:
-            text = importlib.resources.files("graphopt.recipes").joinpath(f"{path}.toml").read_text()
-            return from_dict(tomllib.loads(text), str(path))
+            files = importlib.resources.files("graphopt.recipes")
+            variant = files.joinpath(f"{path}.{provider}.toml")
+            chosen = variant if variant.is_file() else files.joinpath(f"{path}.toml")
+            return from_dict(tomllib.loads(chosen.read_text()), str(path))
         raise RecipeError(f"recipe {str(path)!r} not found", hint="builtin recipes: " + ", ".join(builtin))
     try:
         data = tomllib.loads(p.read_text())
@@ -121,11 +127,12 @@ def load(path: str | Path) -> Recipe:
 
 def builtin_names() -> list[str]:
     files = importlib.resources.files("graphopt.recipes")
-    return sorted(f.name[:-5] for f in files.iterdir() if f.name.endswith(".toml"))
+    return sorted(f.name[:-5] for f in files.iterdir() if f.name.endswith(".toml") and "." not in f.name[:-5])
 
 
-def default() -> Recipe:
-    return load("default")
+def default(provider: str = "cpu") -> Recipe:
+    """The builtin default recipe for ``provider`` (``default.cuda.toml`` for cuda)."""
+    return load("default", provider=provider)
 
 
 def from_pass_list(passes: str | Sequence[str]) -> Recipe:

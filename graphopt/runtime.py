@@ -45,6 +45,26 @@ def cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
+def require_cuda() -> None:
+    """Raise a one-line RuntimeSetupError naming what is missing for ONNX Runtime's CUDA provider."""
+    import importlib.metadata
+
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        return
+    installed = []
+    for dist in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            installed.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    raise RuntimeSetupError(
+        f"--provider cuda: ONNX Runtime's CUDAExecutionProvider is missing (installed: {', '.join(installed) or 'no onnxruntime distribution'}; "
+        f"available providers: {', '.join(ort.get_available_providers())})",
+        hint="uninstall onnxruntime and install onnxruntime-gpu with a matching CUDA (README, CUDA)")
+
+
 def session_options(
     *, threads: int | None = None, optimize: bool = True, spinning: bool = True, level: str | None = None
 ):
@@ -81,7 +101,7 @@ def make_session(
     """An ``onnxruntime.InferenceSession`` for a path, ModelProto, ``onnx_ir.Model`` or bytes.
 
     ``provider='cuda'`` uses CUDA when available, else CPU (logged), or raises with
-    ``strict_provider``.
+    ``strict_provider`` (also when the CUDA provider is there but does not initialise).
     """
     import onnxruntime as ort
 
@@ -93,6 +113,7 @@ def make_session(
         if ok:
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
         elif strict_provider:
+            require_cuda()
             raise RuntimeSetupError(f"CUDA requested but not available: {why}")
         else:
             logger.warning("CUDA requested but not available (%s); using CPU", why)
@@ -119,6 +140,10 @@ def make_session(
         if tmp is not None:
             tmp.cleanup()
     if provider == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
+        if strict_provider:
+            raise RuntimeSetupError("--provider cuda: the CUDAExecutionProvider did not initialise (its CUDA runtime, "
+                                    "cuBLAS or cuDNN libraries were not found or no GPU is visible)",
+                                    hint="onnxruntime-gpu 1.31 needs CUDA 13 and cuDNN 9 (README, CUDA)")
         logger.warning("CUDA provider did not initialise; the session runs on CPU")
     return sess
 

@@ -42,9 +42,21 @@ GPU_CHECK = "tools/cuda_checks.py"
 
 
 def note(ops: list[str]) -> str:
-    """The report note for a model verified through stand-ins for ``ops``."""
-    return (f"verified on CPU with a standard-op stand-in for {', '.join(ops)} (no CPU kernel in ONNX Runtime); "
-            f"the CUDA kernel itself is checked by {GPU_CHECK} on a GPU")
+    """The report note for a model verified through stand-ins for ``ops``.
+
+    ``ops`` entries ``OP(float16)`` / ``OP(bfloat16)`` are precision stand-ins (see :func:`low_precision_stand_ins`).
+    """
+    exact = [o for o in ops if "(" not in o]
+    low = [o for o in ops if "(" in o]
+    parts = []
+    if exact:
+        parts.append(f"verified on CPU with a standard-op stand-in for {', '.join(exact)} (no CPU kernel in ONNX Runtime); "
+                     f"the CUDA kernel itself is checked by {GPU_CHECK} on a GPU")
+    if low:
+        parts.append(f"verified on CPU with precision stand-ins for {', '.join(low)} (no CPU kernel in that type): "
+                     "inputs cast to fp32, the op in fp32, outputs rounded to the type, as the CUDA kernels "
+                     f"accumulate in fp32; the fp16/bf16 CUDA kernels themselves are checked by {GPU_CHECK} on a GPU")
+    return "; ".join(parts)
 
 
 def _const(tape: ir.tape.Tape, array: np.ndarray) -> ir.Value:
@@ -183,6 +195,85 @@ def _packed_mha(t: ir.tape.Tape, node: ir.Node) -> ir.Value:
 STAND_INS = {(MS_DOMAIN, "PackedMultiHeadAttention"): _packed_mha}
 
 
+_LOW = {ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)"}
+_CPU_KERNELS: dict[tuple[str, str], list[tuple[tuple[int, int], set[str]]]] | None = None
+
+
+def _cpu_kernels() -> dict[tuple[str, str], list[tuple[tuple[int, int], set[str]]]]:
+    """(domain, op) -> [(version range, every type the CPU kernel's constraints name)] of this ONNX Runtime."""
+    global _CPU_KERNELS
+    if _CPU_KERNELS is None:
+        from onnxruntime.capi import _pybind_state
+
+        table: dict = {}
+        for k in _pybind_state.get_all_opkernel_def():
+            if k.provider == "CPUExecutionProvider":
+                types = {t for ts in k.type_constraints.values() for t in ts}
+                table.setdefault((k.domain or "", k.op_name), []).append((tuple(k.version_range), types))
+        _CPU_KERNELS = table
+    return _CPU_KERNELS
+
+
+def _cpu_has(node: ir.Node, opset: int, type_str: str) -> bool:
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    return any(lo <= opset <= hi and type_str in types
+               for (lo, hi), types in _cpu_kernels().get((domain, node.op_type), ()))
+
+
+def _low_dtypes(node: ir.Node) -> set[ir.DataType]:
+    return {v.dtype for v in (*node.inputs, *node.outputs) if v is not None and v.dtype in _LOW}
+
+
+def low_precision_ops(model: ir.Model) -> list[str]:
+    """``OP(float16)`` / ``OP(bfloat16)`` for nodes of ``model``'s main graph with fp16/bf16 tensors and no
+    CPU kernel in that type (ONNX Runtime would refuse bf16 and insert its own casts for fp16)."""
+    found = set()
+    for node in model.graph:
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        if node.op_type in ("Constant", "Cast", "CastLike") and domain == "":
+            continue
+        opset = model.opset_imports.get(domain, 1)
+        for dt in _low_dtypes(node):
+            if not _cpu_has(node, opset, _LOW[dt]):
+                found.add(f"{node.op_type}({_LOW[dt][7:-1]})")
+    return sorted(found)
+
+
+def low_precision_stand_ins(model: ir.Model) -> list[str]:
+    """Replace (in place) each node with fp16/bf16 tensors and no CPU kernel in that type by the same op
+    in fp32 between Casts: inputs cast to fp32, outputs rounded back to their type. Returns the ops."""
+    graph, done = model.graph, set()
+    for node in list(graph):
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        if node.op_type in ("Constant", "Cast", "CastLike") and domain == "":
+            continue
+        opset = model.opset_imports.get(domain, 1)
+        low = [dt for dt in _low_dtypes(node) if not _cpu_has(node, opset, _LOW[dt])]
+        if not low:
+            continue
+        tape = ir.tape.Tape()
+        ins = [tape.op("Cast", [v], {"to": ir.DataType.FLOAT}) if v is not None and v.dtype in _LOW else v
+               for v in node.inputs]
+        wide = tape.op_multi_out(node.op_type, ins, {k: a for k, a in node.attributes.items()},
+                                 domain=node.domain, num_outputs=len(node.outputs))
+        outs = []
+        for old, new in zip(node.outputs, wide):
+            if old.dtype in _LOW:
+                new.dtype = ir.DataType.FLOAT
+                outs.append(tape.op("Cast", [new], {"to": old.dtype}))
+            else:
+                new.dtype = old.dtype
+                outs.append(new)
+        names = [o.name for o in node.outputs]
+        ir.convenience.replace_nodes_and_values(graph, node, [node], list(tape.nodes), list(node.outputs), outs)
+        for old, new, name in zip(node.outputs, outs, names):
+            if name:
+                old.name = f"{name}_replaced"
+                new.name = name
+        done.update(f"{node.op_type}({_LOW[dt][7:-1]})" for dt in low)
+    return sorted(done)
+
+
 def cuda_only_ops(model: ir.Model) -> list[str]:
     """Op types in ``model``'s main graph that have a stand-in here (no CPU kernel)."""
     return sorted({n.op_type for n in model.graph if ((n.domain or ""), n.op_type) in STAND_INS})
@@ -191,15 +282,20 @@ def cuda_only_ops(model: ir.Model) -> list[str]:
 def cpu_runnable(model: ir.Model) -> tuple[ir.Model, list[str]]:
     """``model`` itself when it has no CUDA-only op, else a copy with each replaced by its stand-in.
 
-    Returns the model to run on CPU and the op types replaced (empty when none).
+    Nodes with fp16/bf16 tensors and no CPU kernel in that type are first run in fp32 between Casts
+    (:func:`low_precision_stand_ins`; reported as ``OP(float16)``), then CUDA-only ops get their
+    stand-ins. Returns the model to run on CPU and the op types replaced (empty when none).
     """
     ops = cuda_only_ops(model)
-    if not ops:
+    low = low_precision_ops(model)
+    if not ops and not low:
         return model, []
     opset = model.opset_imports.get("", 0)
-    if opset < 15:  # CastLike and Shape(start, end)
+    if ops and opset < 15:  # CastLike and Shape(start, end)
         raise ValueError(f"the stand-ins for {', '.join(ops)} need opset >= 15, the model has {opset}")
     copy = model.clone()
+    if low:
+        low = low_precision_stand_ins(copy)
     graph = copy.graph
     for node in list(graph):
         build = STAND_INS.get(((node.domain or ""), node.op_type))
@@ -215,5 +311,5 @@ def cpu_runnable(model: ir.Model) -> tuple[ir.Model, list[str]]:
         if name:
             old.name = f"{name}_replaced"
             out.name = name
-    logger.info("replaced %s by standard-op stand-ins for a CPU run", ", ".join(ops))
-    return copy, ops
+    logger.info("replaced %s by standard-op stand-ins for a CPU run", ", ".join(ops + low))
+    return copy, ops + low

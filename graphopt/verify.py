@@ -7,7 +7,9 @@ reference, mask-aware).
 Ops with no CPU kernel (``com.microsoft::PackedMultiHeadAttention``, emitted for ``--provider cuda``)
 are run on CPU through exact standard-op stand-ins (``graphopt.standins``): the model itself gets
 the structure checks, a copy with the stand-ins gets the session and the numbers, and the verdict
-names the ops so replaced (``Verdict.stand_ins``). The CUDA kernels themselves are checked on a GPU.
+names the ops so replaced (``Verdict.stand_ins``). Nodes with fp16/bf16 tensors and no CPU kernel in
+that type (``convert-precision``) run in fp32 between Casts, reported as ``OP(float16)``. The CUDA
+kernels themselves are checked on a GPU.
 """
 
 from __future__ import annotations

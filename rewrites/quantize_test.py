@@ -370,7 +370,7 @@ def test_int8_recipe_for_cuda_calibrates_through_stand_ins():
     from graphopt import pipeline, recipe
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    result = pipeline.optimize(str(path), recipe.load("int8"), provider="cuda", budget="cosine>=0.99")
+    result = pipeline.optimize(str(path), recipe.load("int8", provider="cuda"), provider="cuda", budget="cosine>=0.99")
     assert result.ok, [p.error for p in result.report.passes]
     ops = _ops(result.model)
     assert ops["PackedMultiHeadAttention"] == 2 and ops["DequantizeLinear"] >= 12, ops

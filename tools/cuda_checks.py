@@ -1,4 +1,7 @@
-"""CUDA checks for ``fuse``, ``remove-padding`` and ``quantize``, as one prepared script for a GPU machine.
+"""CUDA checks for ``fuse``, ``remove-padding``, ``quantize`` and ``fp16``, as one prepared script for a GPU machine.
+
+First, its own provider check: a one-node model must get a session on ONNX Runtime's CUDA provider
+(``SKIP`` with the reason otherwise, before any model is built).
 
 For each MiniLM export (cached by models/minilm.py; the cache folder must travel with the repo, e.g.
 via ``GRAPHOPT_CACHE``, or the exports must be built there):
@@ -21,12 +24,22 @@ interleaved rounds of every batch, medians and ratios.
 model on the CUDA provider: it must load there (no CPU fallback), and its real-token outputs must meet
 the default budget (cosine >= 0.99, min >= 0.97) against the fp32 export on CPU on the other half.
 
+``fp16`` (``--fp16-export`` only, default dynamo-sdpa): the ``fp16`` recipe for CUDA (the CUDA
+default recipe, then ``convert-precision``: fp16 weights and compute, fp32 islands), then the model on
+the CUDA provider: every MatMul, SkipLayerNormalization and PackedMultiHeadAttention in fp16, and its
+real-token outputs within cosine >= 0.999 (mean and min) of the fp32 export on CPU, on every parity
+batch. Then it is timed against the unoptimized fp32 export and the fp32 packed model on CUDA through
+IO bindings (inputs on the device, outputs left there), at batch 1x128 and on the 32-sentence
+variable-length batches, interleaved.
+
 Prints one line per check and a JSON summary; exit code 0 when every check passed, 1 on a mismatch,
 and 0 with ``SKIP`` and the reason when CUDA is not available (no CUDAExecutionProvider, or the
 session fell back to CPU). ``--dry-run-cpu`` runs the same code on the CPU provider (the CUDA-only op
 through its stand-in) to test the script on a machine without CUDA; it checks nothing about CUDA.
 
-    .venv/bin/python tools/cuda_checks.py [--atol 2e-3] [--checks fuse,remove-padding,quantize] [--json out.json]
+    .venv/bin/python tools/cuda_checks.py [--atol 2e-3] [--checks fuse,remove-padding,quantize,fp16] [--json out.json]
+
+Getting ``onnxruntime-gpu`` onto the device: ``tools/split_ort_gpu_wheel.py`` (README, "CUDA").
 
 The tolerance is looser than on CPU because the CUDA kernels accumulate in another order. Parity
 sessions run with TF32 off (``use_tf32=0``, ORT's default is on), so the differences are fp32 ones;
@@ -47,7 +60,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 EXPORTS = [("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa")]
-CHECKS = ("fuse", "remove-padding", "quantize")
+CHECKS = ("fuse", "remove-padding", "quantize", "fp16")
+FP16_BUDGET = "cosine>=0.999,cosine_min>=0.999"
 BATCH = 32
 LAYERS = 6  # MiniLM-L6: one PackedMultiHeadAttention each
 
@@ -213,7 +227,8 @@ def check_quantize(path: Path, label: str, sessions: Sessions, seqs: list[np.nda
     half = max(1, len(batches) // 2)
     calib, held = batches[:half], batches[half:] or batches
     t0 = time.perf_counter()
-    res = pipeline.optimize(str(path), recipe.load("int8"), provider="cuda", feeds=calib, budget=DEFAULT_BUDGET)
+    res = pipeline.optimize(str(path), recipe.load("int8", provider="cuda"), provider="cuda", feeds=calib,
+                            budget=DEFAULT_BUDGET)
     t_opt = time.perf_counter() - t0
     q = next((r for r in res.report.passes if r.name == "quantize"), None)
     ops = collections.Counter(n.op_type for n in res.model.graph)
@@ -233,6 +248,77 @@ def check_quantize(path: Path, label: str, sessions: Sessions, seqs: list[np.nda
     return row
 
 
+def check_fp16(path: Path, label: str, sessions: Sessions, seqs: list[np.ndarray], rounds: int) -> dict:
+    import onnx_ir as ir
+
+    from graphopt import pipeline, recipe
+    from graphopt.bench import bench_sessions
+    from graphopt.metrics import compare, parse_budget
+    from graphopt.runtime import make_session, run
+
+    batches, feeds, names = parity_feeds(seqs)
+    t0 = time.perf_counter()
+    res = pipeline.optimize(str(path), recipe.load("fp16", provider="cuda"), provider="cuda")
+    t_opt = time.perf_counter() - t0
+    conv = next((r for r in res.report.passes if r.name == "convert-precision"), None)
+    dtypes = collections.Counter((n.op_type, n.outputs[0].dtype.name) for n in res.model.graph
+                                 if n.op_type in ("MatMul", "SkipLayerNormalization", "PackedMultiHeadAttention"))
+    row: dict = {"check": "fp16", "export": label, "pipeline_ok": res.ok, "pipeline_seconds": round(t_opt, 2),
+                 "ops": {f"{k[0]}:{k[1]}": v for k, v in dtypes.items()},
+                 "cpu_stand_in_cosine": (conv.verification or {}).get("cosine") if conv else None,
+                 "notes": conv.notes if conv else []}
+    if not res.ok or any(k[1] != "FLOAT16" for k in dtypes) or dtypes[("PackedMultiHeadAttention", "FLOAT16")] != LAYERS:
+        row.update(passed=False, error=f"pipeline ok={res.ok}, ops {row['ops']}; errors: {[r.error for r in res.report.failed()]}")
+        return row
+    ref = run(make_session(path, optimize=False), feeds)  # fp32 export on CPU
+    got = run(sessions.make(res.model, parity=True), feeds)
+    budget = parse_budget(FP16_BUDGET)
+    per_case, failures = {}, []
+    for name, f, g, r in zip(names, feeds, got, ref):
+        cmp = compare([g], [r], [f])
+        per_case[name] = round(cmp.worst("cosine_min"), 6)
+        failures += [f"{name}: {x}" for x in budget.failures(cmp)]
+    row.update(cosine_min_by_case=per_case, budget=FP16_BUDGET, passed=not failures,
+               error="; ".join(failures) if failures else None)
+    if row["passed"] and rounds:
+        packed32 = pipeline.optimize(str(path), provider="cuda", verify_level="structure").model
+        timed = {"export-fp32": sessions.make(ir.load(path), parity=False),
+                 "packed-fp32": sessions.make(packed32, parity=False),
+                 "packed-fp16": sessions.make(res.model, parity=False)}
+        device = None if sessions.dry_run else "cuda"
+        one = [_batch([np.resize(seqs[0], 128)])]
+        timing = {}
+        for case, fs in (("batch 1x128", one), (f"{len(batches)} batches of {BATCH} mixed lengths", batches)):
+            results = bench_sessions(timed, fs, rounds=rounds, warmup=2, device=device)
+            timing[case] = [r.as_dict(results[0]) for r in results]
+        row["timing"] = timing
+    return row
+
+
+def _provider_check() -> str | None:
+    """None when a one-node model gets a session on the CUDA provider, else why not."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from graphopt import io
+    from graphopt.errors import first_line
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu: README, CUDA)"
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+    node = ir.node("Relu", [x])
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    graph = ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 20})
+    try:
+        sess = ort.InferenceSession(io.to_proto(ir.Model(graph, ir_version=10)).SerializeToString(),
+                                    providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    except Exception as e:
+        return f"no CUDA session: {first_line(e, 200)}"
+    if sess.get_providers()[0] != "CUDAExecutionProvider":
+        return "the CUDA provider did not initialise (CUDA 13 runtime / cuDNN 9 libraries missing, or no GPU visible)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--atol", type=float, default=2e-3)
@@ -242,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated exporter-attn pairs")
     ap.add_argument("--time-export", default="dynamo-sdpa", help="the export timed by remove-padding ('' for none)")
     ap.add_argument("--quant-export", default="dynamo-sdpa", help="the export the quantize check runs on")
+    ap.add_argument("--fp16-export", default="dynamo-sdpa", help="the export the fp16 check runs on")
     ap.add_argument("--batches", type=int, default=8, help="variable-length batches of 32 (parity and timing)")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (every batch once per variant)")
     ap.add_argument("--seed", type=int, default=0)
@@ -255,12 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown check {unknown[0]!r} (use {', '.join(CHECKS)})")
     exports = [tuple(x.strip().split("-", 1)) for x in args.exports.split(",") if x.strip()]
 
-    from graphopt.runtime import cuda_available
+    if not args.dry_run_cpu:
+        why = _provider_check()
+        if why:
+            print(f"SKIP: CUDA checks not run: {why}")
+            return 0
+        import onnxruntime as ort
 
-    ok, why = cuda_available()
-    if not ok and not args.dry_run_cpu:
-        print(f"SKIP: CUDA checks not run: {why}")
-        return 0
+        print(f"provider check: onnxruntime {ort.__version__} ({ort.__file__}) runs on CUDAExecutionProvider", flush=True)
     if args.dry_run_cpu:
         print("DRY RUN on the CPU provider: tests this script, checks nothing about CUDA", flush=True)
 
@@ -269,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sessions = Sessions(args.dry_run_cpu)
     seqs, source = ([], "")
-    if "remove-padding" in checks or "quantize" in checks:
+    if {"remove-padding", "quantize", "fp16"} & set(checks):
         seqs, source = _workload(BATCH * args.batches, args.seed)
         print(f"workload: {source}", flush=True)
     results, failed = [], False
@@ -286,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
                     if label != args.quant_export:
                         continue
                     row = check_quantize(path, label, sessions, seqs)
+                elif check == "fp16":
+                    if label != args.fp16_export:
+                        continue
+                    row = check_fp16(path, label, sessions, seqs, args.rounds)
                 else:
                     timing = {"rounds": args.rounds, "source": source} if label == args.time_export else None
                     row = check_remove_padding(path, label, sessions, args.atol, seqs, timing)
@@ -297,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIP: {e}")
         return 0
     for row in results:
-        for v in (row.get("timing") or {}).get("variants", []):
+        for case, variants in (row.get("timing") or {}).items() if row["check"] == "fp16" else ():
+            for v in variants:
+                print(f"  fp16 {case}: {v['model']:<12} {v['p50_ms']:8.2f} ms  x{v.get('speedup_vs_first', 1.0):.2f} vs export-fp32")
+        for v in (row.get("timing") or {}).get("variants", []) if row["check"] != "fp16" else ():
             print(f"  {row['export']} {v['model']:<14} {v['p50_ms']:8.2f} ms/round  "
                   f"{v['items_per_s']:9.1f} sentences/s  x{v.get('speedup_vs_first', 1.0):.2f} vs fused-padded")
     print(f"total {time.perf_counter() - t_start:.1f} s{' (dry run on CPU)' if args.dry_run_cpu else ''}")

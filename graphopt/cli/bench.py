@@ -26,6 +26,10 @@ def command(
     """Benchmark MODELS interleaved round-robin (intra-op spinning off): p50/p90 per round,
     throughput (batch items per second) and each model's speed-up over the first.
 
+    With --provider cuda the inputs are copied to the GPU once and outputs stay there (IO binding),
+    after --warmup untimed rounds; without a working CUDA provider it fails in one line naming what is
+    missing.
+
     Example: graphopt bench base.onnx opt.onnx --calib feeds/ --rounds 30
     """
     import json
@@ -38,6 +42,10 @@ def command(
 
     if rounds < 1:
         raise UsageError("--rounds must be at least 1")
+    if provider == "cuda":
+        from graphopt.runtime import require_cuda
+
+        require_cuda()  # before loading models or making feeds
     shapes, values = feed_overrides(input_shape, input_value, calib)
     first = io.load(models[0])
     if calib is not None:

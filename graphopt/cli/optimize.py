@@ -78,7 +78,7 @@ def command(
     parsed_budget = parse_budget(budget)
     shapes, values = feed_overrides(input_shape, input_value, calib)
     io.check_output_path(model, out, in_place=in_place)
-    rec = recipe_mod.load(recipe) if recipe else None
+    rec = recipe_mod.load(recipe, provider=provider) if recipe else None
 
     console = make_console(stderr=True)
     with console.status("optimizing…") as status:
