@@ -136,7 +136,26 @@ def _compare_runs(runs, groups, a_names, feeds, atol, rtol):
                     ref[a] = oa[a]
             comparer.add(got, ref, feed, names=names)
             del got, ref, oa, ob
+        _release_freed_memory()  # batches of other lengths would otherwise grow the heap feed by feed
     return comparer.result()
+
+
+def _release_freed_memory() -> None:
+    """Give the C heap's freed pages back to the system (glibc ``malloc_trim``; a no-op elsewhere)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def numeric_diff(
