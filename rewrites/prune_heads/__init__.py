@@ -153,17 +153,17 @@ class _Run:
         runnable, _ = standins.cpu_runnable(self.model)
         names = _name_projections(self.model, layers)
         self.probe = probe_mod.build(runnable, names)
-        self.full = [np.ones(l.hidden, np.float32) for l in layers]
+        self.full = [np.ones(la.hidden, np.float32) for la in layers]
         ref = self.probe.run(self.calib, self.full, contexts=True)
         self.fits = [self._fit(i, ref) for i in range(len(layers))]
         ctx_names = set(self.probe.contexts)
         self.ref_calib = [{k: v for k, v in r.items() if k not in ctx_names} for r in ref]
         self.ref_held = self.probe.run(self.held, self.full)
 
-        total = sum(l.num_heads for l in layers)
+        total = sum(la.num_heads for la in layers)
         scores = self.importance()
         order = self.order(scores)
-        self.note(f"{len(layers)} attention layers, {total} heads ({', '.join(l.name() for l in layers[:2])}"
+        self.note(f"{len(layers)} attention layers, {total} heads ({', '.join(la.name() for la in layers[:2])}"
                   + (" ..." if len(layers) > 2 else "") + f"); importance {opts.importance}")
         if opts.heads or opts.ratio:
             k = min(opts.heads or int(round(opts.ratio * total)), len(order))
@@ -225,7 +225,7 @@ class _Run:
         out = []
         if opts.importance == "random":
             rng = np.random.default_rng(opts.seed)
-            return [(i, h, float(rng.random())) for i, l in enumerate(self.layers) for h in range(l.num_heads)]
+            return [(i, h, float(rng.random())) for i, la in enumerate(self.layers) for h in range(la.num_heads)]
         if opts.importance == "local":
             return [(i, h, float(f.energy[h] / max(f.total, 1e-30)))
                     for i, f in enumerate(self.fits) for h in range(len(f.energy))]
@@ -241,7 +241,7 @@ class _Run:
     def order(self, scores: list[tuple[int, int, float]]) -> list[tuple[int, int]]:
         """Heads in removal order (least important first); each layer keeps its ``min_heads`` best."""
         keep = set()
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)):
             mine = sorted((s, h) for li, h, s in scores if li == i)
             keep.update((i, h) for _, h in mine[-self.opts.min_heads:])
         return [(i, h) for i, h, _ in sorted(scores, key=lambda t: (t[2], t[0], t[1])) if (i, h) not in keep]
