@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUDGET = "cosine>=0.98"
 IMPORTANCE = ("ablation", "local", "random")
 FLOP_SEQ = 128
+#: ridge of the compensation fit, relative to the mean diagonal of the kept contexts' Gram matrix
+RIDGE = 1e-3
 
 
 class PruneHeadsPass(GraphoptPass):
@@ -128,6 +130,7 @@ class _Fit:
     cross: np.ndarray
     energy: np.ndarray  # per head: sum over tokens of |ctx_h W_o,h|^2
     total: float
+    rows: int
 
 
 @dataclasses.dataclass
@@ -148,10 +151,11 @@ class _Run:
 
     # ------------------------------------------------------------ setup
 
-    def go(self) -> PassResult:
-        opts, layers = self.opts, self.layers
+    def prepare(self) -> None:
+        """The probe session, reference outputs, calibration contexts' Gram matrices."""
+        layers = self.layers
+        names = _name_projections(self.model, layers)  # before the CPU copy, so the names carry over
         runnable, _ = standins.cpu_runnable(self.model)
-        names = _name_projections(self.model, layers)
         self.probe = probe_mod.build(runnable, names)
         self.full = [np.ones(la.hidden, np.float32) for la in layers]
         ref = self.probe.run(self.calib, self.full, contexts=True)
@@ -160,6 +164,9 @@ class _Run:
         self.ref_calib = [{k: v for k, v in r.items() if k not in ctx_names} for r in ref]
         self.ref_held = self.probe.run(self.held, self.full)
 
+    def go(self) -> PassResult:
+        opts, layers = self.opts, self.layers
+        self.prepare()
         total = sum(la.num_heads for la in layers)
         scores = self.importance()
         order = self.order(scores)
@@ -174,9 +181,9 @@ class _Run:
             k = self.search(order)
             chosen = order[:k]
             held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate) if k else None
-            while k and self.budget.failures(held):
-                k -= 1
-                self.note(f"budget held on calibration but not on held-back feeds: trying {k} heads")
+            if k and self.budget.failures(held):
+                self.note(f"{k} heads meet the budget on calibration but not on held-back feeds: searching there")
+                k = self.search(order[:k - 1], self.held, self.ref_held)
                 chosen = order[:k]
                 held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate) if k else None
             budget_met = k > 0
@@ -205,8 +212,10 @@ class _Run:
         layer, w = self.layers[i], self.probe.out_weights[i].astype(np.float64)
         h = layer.hidden
         gram = np.zeros((h + 1, h + 1))
+        rows = 0
         for feed, r in zip(self.calib, ref):
             x = _rows(r[self.probe.contexts[i]], feed)
+            rows += x.shape[0]
             x1 = np.concatenate([x, np.ones((x.shape[0], 1), x.dtype)], axis=1)
             gram += (x1.T @ x1).astype(np.float64)
         cross = gram[:, :h] @ w
@@ -215,7 +224,7 @@ class _Run:
         energy = np.array([float(np.sum(w[c] * (gram[c, c] @ w[c])))
                            for c in (slice(j * d, (j + 1) * d) for j in range(layer.num_heads))])
         total = float(np.sum(w * cross[:h]))
-        return _Fit(gram, cross, energy, total)
+        return _Fit(gram, cross, energy, total, rows)
 
     # ------------------------------------------------------------ ranking
 
@@ -266,14 +275,21 @@ class _Run:
                 biases.append(None)
                 continue
             keep = [h for h in range(layer.num_heads) if h not in by_layer[i]]
-            ch = layer.channels(keep)
+            ch, gone = layer.channels(keep), layer.channels(by_layer[i])
             idx = np.concatenate([ch, [layer.hidden]])
             f = self.fits[i]
+            w0 = self.probe.out_weights[i].astype(np.float64)
+            if f.rows < 2 * len(idx):  # too few tokens to fit: no compensation for this layer
+                weights.append(None)
+                biases.append(None)
+                continue
+            # ridge on the change of W_o (not on W_o): with little data the fit stays near no compensation
             g = f.gram[np.ix_(idx, idx)]
-            lam = 1e-6 * np.trace(g) / len(idx)
-            theta = np.linalg.solve(g + lam * np.eye(len(idx)), f.cross[idx])
-            w = np.zeros_like(self.probe.out_weights[i], dtype=np.float64)
-            w[ch] = theta[:-1]
+            lam = RIDGE * np.trace(g) / len(idx)
+            rhs = f.gram[np.ix_(idx, gone)] @ w0[gone]  # [ctx_kept, 1]^T (removed heads' projected output)
+            theta = np.linalg.solve(g + lam * np.eye(len(idx)), rhs)
+            w = np.zeros_like(w0)
+            w[ch] = w0[ch] + theta[:-1]
             weights.append(w.astype(np.float32))
             biases.append(theta[-1].astype(np.float32))
         return weights, biases
@@ -282,12 +298,13 @@ class _Run:
         weights, biases = self.refit(chosen) if compensate else (None, None)
         return compare(self.probe.run(feeds, self.masks(chosen), weights, biases), ref, feeds)
 
-    def search(self, order: list[tuple[int, int]]) -> int:
-        """The most heads (a prefix of ``order``) whose model meets the budget on calibration feeds."""
+    def search(self, order: list[tuple[int, int]], feeds=None, ref=None) -> int:
+        """The most heads (a prefix of ``order``) whose model meets the budget on ``feeds`` (calibration)."""
+        feeds, ref = (self.calib, self.ref_calib) if feeds is None else (feeds, ref)
         lo, hi, best = 1, len(order), 0
         while lo <= hi:
             mid = (lo + hi) // 2
-            c = self.evaluate(order[:mid], self.calib, self.ref_calib, self.opts.compensate)
+            c = self.evaluate(order[:mid], feeds, ref, self.opts.compensate)
             if not self.budget.failures(c):
                 best, lo = mid, mid + 1
             else:
