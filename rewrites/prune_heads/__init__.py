@@ -15,8 +15,11 @@ length-group copy of a layer changes together) and with ``--provider cuda``'s
    change of the residual stream, downstream layers taken as linear); ``random`` (``seed``) for
    comparisons. Heads are ranked globally; each layer keeps ``min_heads``.
 2. Compensation (``compensate=true``): each pruned layer's output projection and bias are re-fit by
-   least squares (closed form, ridge 1e-6) so ``ctx_kept W' + c`` matches ``ctx W_o`` on the
-   calibration tokens (contexts of the unpruned model).
+   least squares (closed form) so ``ctx_kept W' + c`` matches ``ctx W_o`` on the calibration tokens
+   (contexts of the unpruned model), each token weighted by ``1 / |ctx W_o|^2`` (relative error per
+   token: unweighted, a few tokens with small outputs, [SEP] among them, lost most of their cosine on
+   MiniLM) with a ridge on the change of ``W_o`` (``RIDGE`` times the mean Gram diagonal; a layer with
+   fewer calibration tokens than twice its unknowns is not re-fit).
 3. How many go: ``heads=N`` or ``ratio=R`` (of all heads), else the budget: the most heads whose probe
    model meets the budget on the calibration feeds (binary search), then confirmed on the held-back
    feeds (fewer heads while it fails there). ``budget_share=S`` spends only ``S`` of the budget's slack
@@ -53,7 +56,7 @@ DEFAULT_BUDGET = "cosine>=0.98"
 IMPORTANCE = ("ablation", "local", "random")
 FLOP_SEQ = 128
 #: ridge of the compensation fit, relative to the mean diagonal of the kept contexts' Gram matrix
-RIDGE = 1e-3
+RIDGE = 0.1
 
 
 class PruneHeadsPass(GraphoptPass):
@@ -131,6 +134,7 @@ class _Fit:
     energy: np.ndarray  # per head: sum over tokens of |ctx_h W_o,h|^2
     total: float
     rows: int
+    wgram: np.ndarray  # the Gram matrix with token rows weighted for the fit
 
 
 @dataclasses.dataclass
@@ -212,19 +216,25 @@ class _Run:
         layer, w = self.layers[i], self.probe.out_weights[i].astype(np.float64)
         h = layer.hidden
         gram = np.zeros((h + 1, h + 1))
+        wgram = np.zeros((h + 1, h + 1))
         rows = 0
+        w32 = w.astype(np.float32)
         for feed, r in zip(self.calib, ref):
             x = _rows(r[self.probe.contexts[i]], feed)
             rows += x.shape[0]
             x1 = np.concatenate([x, np.ones((x.shape[0], 1), x.dtype)], axis=1)
             gram += (x1.T @ x1).astype(np.float64)
+            # rows weighted by 1 / |ctx W_o|^2: relative error per token (the budget's cosine is per token)
+            norm = np.sum((x @ w32) ** 2, axis=1)
+            wt = 1.0 / np.maximum(norm, 1e-6 * max(float(norm.mean()), 1e-30))
+            wgram += ((x1 * wt[:, None].astype(x.dtype)).T @ x1).astype(np.float64)
         cross = gram[:, :h] @ w
         # |x_h W_h|^2 summed over tokens = trace(W_h^T (x_h^T x_h) W_h)
         d = layer.head_size
         energy = np.array([float(np.sum(w[c] * (gram[c, c] @ w[c])))
                            for c in (slice(j * d, (j + 1) * d) for j in range(layer.num_heads))])
         total = float(np.sum(w * cross[:h]))
-        return _Fit(gram, cross, energy, total, rows)
+        return _Fit(gram, cross, energy, total, rows, wgram)
 
     # ------------------------------------------------------------ ranking
 
@@ -284,9 +294,9 @@ class _Run:
                 biases.append(None)
                 continue
             # ridge on the change of W_o (not on W_o): with little data the fit stays near no compensation
-            g = f.gram[np.ix_(idx, idx)]
+            g = f.wgram[np.ix_(idx, idx)]
             lam = RIDGE * np.trace(g) / len(idx)
-            rhs = f.gram[np.ix_(idx, gone)] @ w0[gone]  # [ctx_kept, 1]^T (removed heads' projected output)
+            rhs = f.wgram[np.ix_(idx, gone)] @ w0[gone]  # [ctx_kept, 1]^T (removed heads' projected output)
             theta = np.linalg.solve(g + lam * np.eye(len(idx)), rhs)
             w = np.zeros_like(w0)
             w[ch] = w0[ch] + theta[:-1]
