@@ -201,4 +201,4 @@ def test_minilm_fused_and_padding_removed():
                             budget="cosine>=0.95")
     rec = res.report.passes[-1]
     assert rec.status == "ok" and rec.rule_counts["prune-heads-removed"] == 18, (rec.status, rec.error, rec.notes)
-    assert "+7 copies" in rec.notes[1]
+    assert any("+7 copies" in n for n in rec.notes), rec.notes
