@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt import pipeline, registry
+from graphopt import pipeline, recipe, registry, standins
 from graphopt.errors import UsageError
 from graphopt.metrics import compare, parse_budget
 from graphopt.registry import PassContext
@@ -88,8 +88,8 @@ def _feeds(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
 CALIB, HELD = _feeds(3), _feeds(3, seed=1)
 
 
-def _ctx(**budget) -> PassContext:
-    return PassContext(feeds=HELD, calib_feeds=CALIB, budget=parse_budget(budget.get("budget")))
+def _ctx() -> PassContext:
+    return PassContext(feeds=HELD, calib_feeds=CALIB)
 
 
 def _removed(notes: list[str]) -> dict[int, list[int]]:
@@ -116,18 +116,23 @@ def _zeroed(model: ir.Model, removed: dict[int, list[int]]) -> ir.Model:
     return model
 
 
-def _padding_removed(kind: str) -> ir.Model:
+def _padding_removed(kind: str, provider: str) -> ir.Model:
     m = _encoder(kind)
-    res = registry.create("remove-padding", {})(m)
+    res = registry.create("remove-padding", {})(m, PassContext(provider=provider))
     assert res.modified, res.notes
     return m
 
 
-@pytest.mark.parametrize("form", ["attention", "mha", "attention+remove-padding"])
+@pytest.mark.parametrize("form", ["attention", "mha", "attention+remove-padding",
+                                  "attention+remove-padding-cuda"])
 def test_removed_heads_equal_zeroed_context(form):
-    make = (lambda: _padding_removed("attention")) if form.endswith("remove-padding") else (lambda: _encoder(form))
-    model = make()
-    result = registry.create("prune-heads", {"heads": 3, "compensate": False})(model, _ctx())
+    """Removing heads (no compensation) == the input model with those heads' context zeroed, on every
+    fused form: packed-QKV Attention, MHA, remove-padding's 8 length-group copies, and its CUDA
+    PackedMultiHeadAttention (run through its CPU stand-in)."""
+    provider = "cuda" if form.endswith("cuda") else "cpu"
+    model = _padding_removed("attention", provider) if "+" in form else _encoder(form)
+    result = registry.create("prune-heads", {"heads": 3, "compensate": False})(
+        model, PassContext(provider=provider, feeds=HELD, calib_feeds=CALIB))
     assert result.modified and result.rule_counts["prune-heads-removed"] == 3, result.notes
     removed = _removed(result.notes)
     assert sum(map(len, removed.values())) == 3
@@ -135,7 +140,7 @@ def test_removed_heads_equal_zeroed_context(form):
     heads = {n.attributes["num_heads"].value for n in attn}
     assert heads <= {NH - len(removed.get(i, [])) for i in range(LAYERS)} and len(heads) >= 1
     ref = run(make_session(_zeroed(_encoder(form.split("+")[0]), removed), optimize=False), HELD)
-    got = run(make_session(model, optimize=False), HELD)
+    got = run(make_session(standins.cpu_runnable(model)[0], optimize=False), HELD)
     c = compare(got, ref, HELD, atol=1e-4, rtol=1e-4)
     assert c.worst("max_abs") <= 1e-4, c.summary()
 
@@ -178,6 +183,15 @@ def test_refusals_leave_the_graph_unchanged():
     mlp = ir.serde.deserialize_model(make_mlp())
     res = registry.create("prune-heads", {})(mlp, PassContext())
     assert not res.modified and "run `fuse` first" in res.notes[0]
+
+
+def test_budget_share_and_the_prune_int8_recipe():
+    from graphopt.rewrites.prune_heads import share
+
+    half = share(parse_budget("cosine>=0.99,cosine_min>=0.97,max_abs<=0.2"), 0.5)
+    assert [round(t.value, 6) for t in half.terms] == [0.995, 0.985, 0.1]
+    steps = [p.name for p in recipe.load("prune-int8").build()]
+    assert steps == ["cleanup", "fuse", "remove-padding", "prune-heads", "quantize"]
 
 
 @pytest.mark.parametrize("opts", [{"importance": "gradient"}, {"ratio": 1.0}, {"ratio": 0.2, "heads": 2},
