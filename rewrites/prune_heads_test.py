@@ -178,6 +178,12 @@ def test_refusals_leave_the_graph_unchanged():
     other = _encoder("attention", extra_context_use=True)
     res = registry.create("prune-heads", {"heads": 1})(other, _ctx())
     assert not res.modified and "reaches Relu" in res.notes[0], res.notes
+    quantized = _encoder("mha")
+    q = registry.create("quantize", {"mode": "dynamic", "mixed": False})(quantized, PassContext(
+        feeds=HELD, calib_feeds=CALIB, budget=parse_budget("cosine>=0.5")))
+    assert q.modified, q.notes
+    res = registry.create("prune-heads", {"heads": 1})(quantized, _ctx())
+    assert not res.modified and "run prune-heads before quantize" in res.notes[0], res.notes
     from tests.testmodels import make_mlp
 
     mlp = ir.serde.deserialize_model(make_mlp())

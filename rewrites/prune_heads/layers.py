@@ -28,6 +28,10 @@ OPS = ("Attention", "MultiHeadAttention", "PackedMultiHeadAttention")
 _THROUGH = ("Identity", "Cast", "Squeeze", "Unsqueeze", "Gather", "Concat", "Reshape")
 
 
+_QUANTIZED = ("DynamicQuantizeMatMul", "MatMulIntegerToFloat", "MatMulInteger", "QLinearMatMul", "MatMulNBits",
+              "DequantizeLinear")
+
+
 class Refusal(Exception):
     """A layer (or the graph) this pass cannot prune; the message is the note."""
 
@@ -127,6 +131,9 @@ def _find_projection(v: ir.Value | None, hidden: int | None, where: str) -> ir.N
             if w is None or w.ndim != 2 or (hidden is not None and w.shape[1] != hidden):
                 break
             return p
+        if p.op_type in _QUANTIZED:
+            raise Refusal(f"{where}: its query/key/value comes from {p.op_type} {p.name!r} (quantized): "
+                          "run prune-heads before quantize")
         if p.op_type in ("Identity", "Cast", "Squeeze", "Unsqueeze") or (
                 p.op_type == "Gather" and p.attributes.get_int("axis", 0) == 0 and p.inputs[0] is not None):
             v = p.inputs[0]
