@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from graphopt.metrics import Budget
 
 #: the modules of ``graphopt.rewrites`` that define the builtin passes (one ``register`` call each)
-BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "convert_precision")
+BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "convert_precision",
+                                    "prune_heads")
 
 Feed = Mapping[str, np.ndarray]
 

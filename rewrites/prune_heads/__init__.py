@@ -1,0 +1,379 @@
+"""``prune-heads``: remove attention heads ranked by measured importance, with compensation (lossy).
+
+Works on fused attention (``fuse``: com.microsoft ``Attention`` with a packed QKV weight, or
+``MultiHeadAttention`` fed by separate Q/K/V MatMuls), also after ``remove-padding`` (every
+length-group copy of a layer changes together) and with ``--provider cuda``'s
+``PackedMultiHeadAttention``. See ``layers.py`` for the matched subgraph::
+
+    x --[W_q|W_k|W_v]--> Attention/MHA (num_heads n) --ctx [.., n*d]--> MatMul(W_o) --> +bias, residual
+
+1. Importance per head on calibration feeds (``importance=``):
+   ``ablation`` (default): the budget metric's loss with that head's context zeroed, all 12*L
+   ablations in one session of a *probe model* (``probe.py``: each output projection reads
+   ``ctx * mask``, so an ablation is a change of feeds); ``local``: a first-order estimate from one run,
+   the head's share of its layer's projected output energy ``|ctx_h W_o,h|^2 / |ctx W_o|^2`` (the
+   change of the residual stream, downstream layers taken as linear); ``random`` (``seed``) for
+   comparisons. Heads are ranked globally; each layer keeps ``min_heads``.
+2. Compensation (``compensate=true``): each pruned layer's output projection and bias are re-fit by
+   least squares (closed form) so ``ctx_kept W' + c`` matches ``ctx W_o`` on the calibration tokens
+   (contexts of the unpruned model), each token weighted by ``1 / |ctx W_o|^2`` (relative error per
+   token: unweighted, a few tokens with small outputs, [SEP] among them, lost most of their cosine on
+   MiniLM) with a ridge on the change of ``W_o`` (``RIDGE`` times the mean Gram diagonal; a layer with
+   fewer calibration tokens than twice its unknowns is not re-fit).
+3. How many go: ``heads=N`` or ``ratio=R`` (of all heads), else the budget: the most heads whose probe
+   model meets the budget on the calibration feeds (binary search), then confirmed on the held-back
+   feeds (fewer heads while it fails there). ``budget_share=S`` spends only ``S`` of the budget's slack
+   (``cosine>=0.99`` at 0.5 is ``cosine>=0.995``), leaving the rest to a later lossy pass (quantize).
+4. Physical removal: the kept heads' Q/K/V columns and W_o rows are sliced, ``num_heads`` (and
+   ``qkv_hidden_sizes``) set, constant Reshapes on the context path ``[..., H]`` rewritten.
+
+Refuses (model unchanged, the reason in the notes): no fused attention (unfused graphs: run ``fuse``
+first), quantized attention (run prune-heads before quantize), causal/rotary/past-state attention,
+packed QKV inputs, a context that reaches anything but an output projection through
+Reshape/Concat/Gather/Squeeze, projections without constant weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt import standins
+from graphopt.errors import UsageError
+from graphopt.metrics import Budget, BudgetTerm, Comparison, compare, find_mask, parse_budget
+from graphopt.registry import GraphoptPass, PassContext, PassResult, register
+from graphopt.rewrites.prune_heads import layers as layers_mod
+from graphopt.rewrites.prune_heads import probe as probe_mod
+from graphopt.rewrites.prune_heads.layers import Layer, Refusal
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUDGET = "cosine>=0.98"
+IMPORTANCE = ("ablation", "local", "random")
+FLOP_SEQ = 128
+#: ridge of the compensation fit, relative to the mean diagonal of the kept contexts' Gram matrix
+RIDGE = 0.1
+
+
+class PruneHeadsPass(GraphoptPass):
+    """Remove the least important attention heads (ablation-ranked, least-squares compensated) under a budget."""
+
+    name = "prune-heads"
+    exact = False
+    default_budget = DEFAULT_BUDGET
+    run_after = ("fuse",)
+
+    def __init__(self, *, ratio: float = 0.0, heads: int = 0, importance: str = "ablation",
+                 compensate: bool = True, min_heads: int = 1, rank_feeds: int = 2, seed: int = 0,
+                 budget_share: float = 1.0):
+        super().__init__()
+        if importance not in IMPORTANCE:
+            raise UsageError(f"prune-heads.importance must be one of {', '.join(IMPORTANCE)}, got {importance!r}")
+        if not 0.0 <= ratio < 1.0:
+            raise UsageError(f"prune-heads.ratio must be in [0, 1), got {ratio}")
+        if heads < 0 or (heads and ratio):
+            raise UsageError("prune-heads: give heads=N or ratio=R (not both), or neither to follow the budget")
+        if min_heads < 1:
+            raise UsageError(f"prune-heads.min_heads must be >= 1, got {min_heads}")
+        if not 0.0 < budget_share <= 1.0:
+            raise UsageError(f"prune-heads.budget_share must be in (0, 1], got {budget_share}")
+        self.ratio, self.heads, self.importance = float(ratio), int(heads), importance
+        self.compensate, self.min_heads = bool(compensate), int(min_heads)
+        self.rank_feeds, self.seed, self.budget_share = int(rank_feeds), int(seed), float(budget_share)
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        notes: list[str] = []
+        try:
+            layers = layers_mod.find_layers(model)
+        except Refusal as e:
+            return PassResult(model, False, notes=[f"not applied: {e}"])
+        budget = ctx.budget or parse_budget(DEFAULT_BUDGET)
+        if not ctx.budget:
+            notes.append(f"no budget given: using the default {DEFAULT_BUDGET}")
+        if self.budget_share < 1.0:
+            budget = share(budget, self.budget_share)
+            notes.append(f"budget_share {self.budget_share:g}: searching under {budget}")
+        calib = list(ctx.calib_feeds) or list(ctx.feeds)
+        held = list(ctx.feeds) or calib
+        if not calib:
+            from graphopt import feeds as feeds_mod
+
+            calib = held = feeds_mod.generate(model)
+            notes.append("no feeds given: ranking on generated feeds (give --calib for real data)")
+        run = _Run(self, model, layers, budget, calib, held, notes)
+        return run.go()
+
+
+def share(budget: Budget, s: float) -> Budget:
+    """``budget`` with only a share ``s`` of its slack: ``m>=v`` (v <= 1) -> ``m>=1-s(1-v)``, ``m<=v`` -> ``m<=s v``."""
+    terms = []
+    for t in budget.terms:
+        v = t.value
+        if t.op in (">=", ">") and v <= 1.0:
+            v = 1.0 - s * (1.0 - v)
+        elif t.op in ("<=", "<"):
+            v = s * v
+        terms.append(BudgetTerm(t.metric, t.op, v))
+    return Budget(tuple(terms))
+
+
+def _loss(c: Comparison) -> float:
+    return (1.0 - c.worst("cosine")) + 0.25 * (1.0 - c.worst("cosine_min"))
+
+
+@dataclasses.dataclass
+class _Fit:
+    """Per layer: the Gram matrix of ``[ctx, 1]`` on calibration tokens and ``[ctx, 1]^T ctx W_o``."""
+
+    gram: np.ndarray
+    cross: np.ndarray
+    energy: np.ndarray  # per head: sum over tokens of |ctx_h W_o,h|^2
+    total: float
+    rows: int
+    wgram: np.ndarray  # the Gram matrix with token rows weighted for the fit
+
+
+@dataclasses.dataclass
+class _Run:
+    """One call of the pass (made fresh by every ``call``; nothing of it stays on the pass)."""
+
+    opts: PruneHeadsPass
+    model: ir.Model
+    layers: list[Layer]
+    budget: Budget
+    calib: list[Mapping[str, np.ndarray]]
+    held: list[Mapping[str, np.ndarray]]
+    notes: list[str]
+
+    def note(self, msg: str) -> None:
+        logger.info("prune-heads: %s", msg)
+        self.notes.append(msg)
+
+    # ------------------------------------------------------------ setup
+
+    def prepare(self) -> None:
+        """The probe session, reference outputs, calibration contexts' Gram matrices."""
+        layers = self.layers
+        names = _name_projections(self.model, layers)  # before the CPU copy, so the names carry over
+        runnable, _ = standins.cpu_runnable(self.model)
+        self.probe = probe_mod.build(runnable, names)
+        self.full = [np.ones(la.hidden, np.float32) for la in layers]
+        ref = self.probe.run(self.calib, self.full, contexts=True)
+        self.fits = [self._fit(i, ref) for i in range(len(layers))]
+        ctx_names = set(self.probe.contexts)
+        self.ref_calib = [{k: v for k, v in r.items() if k not in ctx_names} for r in ref]
+        self.ref_held = self.probe.run(self.held, self.full)
+
+    def go(self) -> PassResult:
+        opts, layers = self.opts, self.layers
+        self.prepare()
+        total = sum(la.num_heads for la in layers)
+        scores = self.importance()
+        order = self.order(scores)
+        self.note(f"{len(layers)} attention layers, {total} heads ({', '.join(la.name() for la in layers[:2])}"
+                  + (" ..." if len(layers) > 2 else "") + f"); importance {opts.importance}")
+        if opts.heads or opts.ratio:
+            k = min(opts.heads or int(round(opts.ratio * total)), len(order))
+            chosen = order[:k]
+            held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate)
+            budget_met = None
+        else:
+            k = self.search(order)
+            chosen = order[:k]
+            held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate) if k else None
+            if k and self.budget.failures(held):
+                self.note(f"{k} heads meet the budget on calibration but not on held-back feeds: searching there")
+                k = self.search(order[:k - 1], self.held, self.ref_held)
+                chosen = order[:k]
+                held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate) if k else None
+            budget_met = k > 0
+            if not k:
+                self.note(f"budget {self.budget}: not even one head can go; model left unchanged")
+                return PassResult(self.model, False, notes=self.notes, budget_met=False)
+        if not chosen:
+            self.note("no head to remove (heads=0 / ratio rounds to 0)")
+            return PassResult(self.model, False, notes=self.notes, budget_met=budget_met)
+        self.report(chosen, held, total)
+        weights, biases = self.refit(chosen) if opts.compensate else (None, None)
+        by_layer = _by_layer(chosen, len(layers))
+        graph = self.model.graph
+        for i, layer in enumerate(layers):
+            if not by_layer[i]:
+                continue
+            keep = [h for h in range(layer.num_heads) if h not in by_layer[i]]
+            ch = layer.channels(keep)
+            w = (self.probe.out_weights[i] if weights is None or weights[i] is None else weights[i])[ch]
+            layers_mod.prune_layer(graph, layer, keep, w, None if biases is None else biases[i])
+        counts = {"prune-heads-removed": len(chosen),
+                  "prune-heads-layers": sum(1 for h in by_layer if h)}
+        return PassResult(self.model, True, notes=self.notes, rule_counts=counts, budget_met=budget_met)
+
+    def _fit(self, i: int, ref: list[dict[str, np.ndarray]]) -> _Fit:
+        layer, w = self.layers[i], self.probe.out_weights[i].astype(np.float64)
+        h = layer.hidden
+        gram = np.zeros((h + 1, h + 1))
+        wgram = np.zeros((h + 1, h + 1))
+        rows = 0
+        w32 = w.astype(np.float32)
+        for feed, r in zip(self.calib, ref):
+            x = _rows(r[self.probe.contexts[i]], feed)
+            rows += x.shape[0]
+            x1 = np.concatenate([x, np.ones((x.shape[0], 1), x.dtype)], axis=1)
+            gram += (x1.T @ x1).astype(np.float64)
+            # rows weighted by 1 / |ctx W_o|^2: relative error per token (the budget's cosine is per token)
+            norm = np.sum((x @ w32) ** 2, axis=1)
+            wt = 1.0 / np.maximum(norm, 1e-6 * max(float(norm.mean()), 1e-30))
+            wgram += ((x1 * wt[:, None].astype(x.dtype)).T @ x1).astype(np.float64)
+        cross = gram[:, :h] @ w
+        # |x_h W_h|^2 summed over tokens = trace(W_h^T (x_h^T x_h) W_h)
+        d = layer.head_size
+        energy = np.array([float(np.sum(w[c] * (gram[c, c] @ w[c])))
+                           for c in (slice(j * d, (j + 1) * d) for j in range(layer.num_heads))])
+        total = float(np.sum(w * cross[:h]))
+        return _Fit(gram, cross, energy, total, rows, wgram)
+
+    # ------------------------------------------------------------ ranking
+
+    def importance(self) -> list[tuple[int, int, float]]:
+        """(layer, head, score): a higher score is a more important head."""
+        opts = self.opts
+        out = []
+        if opts.importance == "random":
+            rng = np.random.default_rng(opts.seed)
+            return [(i, h, float(rng.random())) for i, la in enumerate(self.layers) for h in range(la.num_heads)]
+        if opts.importance == "local":
+            return [(i, h, float(f.energy[h] / max(f.total, 1e-30)))
+                    for i, f in enumerate(self.fits) for h in range(len(f.energy))]
+        n = opts.rank_feeds if opts.rank_feeds > 0 else len(self.calib)
+        feeds, ref = self.calib[:n], self.ref_calib[:n]
+        for i, layer in enumerate(self.layers):
+            for h in range(layer.num_heads):
+                masks = [m.copy() for m in self.full]
+                masks[i][h * layer.head_size:(h + 1) * layer.head_size] = 0.0
+                out.append((i, h, _loss(compare(self.probe.run(feeds, masks), ref, feeds))))
+        return out
+
+    def order(self, scores: list[tuple[int, int, float]]) -> list[tuple[int, int]]:
+        """Heads in removal order (least important first); each layer keeps its ``min_heads`` best."""
+        keep = set()
+        for i in range(len(self.layers)):
+            mine = sorted((s, h) for li, h, s in scores if li == i)
+            keep.update((i, h) for _, h in mine[-self.opts.min_heads:])
+        return [(i, h) for i, h, _ in sorted(scores, key=lambda t: (t[2], t[0], t[1])) if (i, h) not in keep]
+
+    # ------------------------------------------------------------ evaluation
+
+    def masks(self, chosen: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        masks = [m.copy() for m in self.full]
+        for i, h in chosen:
+            d = self.layers[i].head_size
+            masks[i][h * d:(h + 1) * d] = 0.0
+        return masks
+
+    def refit(self, chosen: Sequence[tuple[int, int]]) -> tuple[list, list]:
+        """Least-squares output projections (rows of removed heads 0) and bias changes per layer."""
+        by_layer = _by_layer(chosen, len(self.layers))
+        weights: list[np.ndarray | None] = []
+        biases: list[np.ndarray | None] = []
+        for i, layer in enumerate(self.layers):
+            if not by_layer[i]:
+                weights.append(None)
+                biases.append(None)
+                continue
+            keep = [h for h in range(layer.num_heads) if h not in by_layer[i]]
+            ch, gone = layer.channels(keep), layer.channels(by_layer[i])
+            idx = np.concatenate([ch, [layer.hidden]])
+            f = self.fits[i]
+            w0 = self.probe.out_weights[i].astype(np.float64)
+            if f.rows < 2 * len(idx):  # too few tokens to fit: no compensation for this layer
+                weights.append(None)
+                biases.append(None)
+                continue
+            # ridge on the change of W_o (not on W_o): with little data the fit stays near no compensation
+            g = f.wgram[np.ix_(idx, idx)]
+            lam = RIDGE * np.trace(g) / len(idx)
+            rhs = f.wgram[np.ix_(idx, gone)] @ w0[gone]  # [ctx_kept, 1]^T (removed heads' projected output)
+            theta = np.linalg.solve(g + lam * np.eye(len(idx)), rhs)
+            w = np.zeros_like(w0)
+            w[ch] = w0[ch] + theta[:-1]
+            weights.append(w.astype(np.float32))
+            biases.append(theta[-1].astype(np.float32))
+        return weights, biases
+
+    def evaluate(self, chosen, feeds, ref, compensate: bool) -> Comparison:
+        weights, biases = self.refit(chosen) if compensate else (None, None)
+        return compare(self.probe.run(feeds, self.masks(chosen), weights, biases), ref, feeds)
+
+    def search(self, order: list[tuple[int, int]], feeds=None, ref=None) -> int:
+        """The most heads (a prefix of ``order``) whose model meets the budget on ``feeds`` (calibration)."""
+        feeds, ref = (self.calib, self.ref_calib) if feeds is None else (feeds, ref)
+        lo, hi, best = 1, len(order), 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            c = self.evaluate(order[:mid], feeds, ref, self.opts.compensate)
+            if not self.budget.failures(c):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    # ------------------------------------------------------------ report
+
+    def report(self, chosen: list[tuple[int, int]], held: Comparison, total: int) -> None:
+        def m(c: Comparison) -> str:
+            return f"cosine {c.worst('cosine'):.5f} / min {c.worst('cosine_min'):.5f}"
+
+        by_layer = _by_layer(chosen, len(self.layers))
+        self.note(f"removed {len(chosen)} of {total} heads ({100.0 * len(chosen) / total:.1f}%): " + "; ".join(
+            f"layer {i}: {len(hs)} of {self.layers[i].num_heads} ({', '.join(map(str, sorted(hs)))})"
+            for i, hs in enumerate(by_layer) if hs))
+        params = flops = 0
+        for i, hs in enumerate(by_layer):
+            layer = self.layers[i]
+            d, dm = layer.head_size, layer.model_dim
+            params += len(hs) * (3 * dm * d + 3 * d + d * dm)
+            flops += len(hs) * (2 * (3 * dm * d + d * dm) + 4 * FLOP_SEQ * d)
+        self.note(f"parameters removed {params:,}; FLOPs removed {flops / 1e6:.2f} M per token (sequence {FLOP_SEQ})")
+        other = self.evaluate(chosen, self.held, self.ref_held, not self.opts.compensate)
+        cal = self.evaluate(chosen, self.calib, self.ref_calib, self.opts.compensate)
+        with_c, without = (held, other) if self.opts.compensate else (other, held)
+        self.note(f"held-back: with compensation {m(with_c)}; without {m(without)}; "
+                  f"calibration ({'with' if self.opts.compensate else 'without'}): {m(cal)}")
+
+
+def _by_layer(chosen: Sequence[tuple[int, int]], n: int) -> list[set[int]]:
+    out: list[set[int]] = [set() for _ in range(n)]
+    for i, h in chosen:
+        out[i].add(h)
+    return out
+
+
+def _rows(ctx: np.ndarray, feed: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The context's token rows [N, H]: real tokens only where the context is [B, S, H] like the mask."""
+    mask = find_mask(feed)
+    if mask is not None and ctx.ndim == 3 and ctx.shape[:2] == mask.shape:
+        return ctx[mask.astype(bool)]
+    return ctx.reshape(-1, ctx.shape[-1])
+
+
+def _name_projections(model: ir.Model, layers: list[Layer]) -> list[str]:
+    """Unique names of the layers' output projections (unnamed or duplicated ones are renamed)."""
+    seen = {n.name for n in model.graph if n is not None}
+    names = []
+    for i, layer in enumerate(layers):
+        mm = layer.out_matmul
+        if not mm.name or sum(1 for n in model.graph if n.name == mm.name) > 1:
+            base = f"prune_heads_out_proj_{i}"
+            while base in seen:
+                base += "_"
+            mm.name = base
+            seen.add(base)
+        names.append(mm.name)
+    return names
+
+
+register(PruneHeadsPass)
