@@ -58,7 +58,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from graphopt import metrics
+from graphopt import PASS_TAG, metrics
 from graphopt.errors import UsageError
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
@@ -353,13 +353,16 @@ class _Run:
         g = self.model.graph
         if any(n.op_type == "If" and n.domain == "" for n in g):
             return self.refuse("the graph already has If nodes (early-exit ran already?)")
+        if any(n.metadata_props.get(PASS_TAG) == "remove-padding" or (n.name or "").endswith("_packed") for n in g):
+            return self.refuse("the graph was packed by remove-padding (the tokens of all rows in one sequence: "
+                               "no batch axis to gate); run remove-padding without early-exit")
         layers, why = find_layers(g)
         if not layers:
             return self.refuse(why)
         batch_dim = self._batch_dim()
         if batch_dim is None:
             return self.refuse("the graph inputs have no common batch dimension")
-        if layers[0].shape is not None and layers[0].shape[0] != batch_dim:
+        if any(v.shape is None or v.shape[0] != batch_dim for v in layers):
             return self.refuse(f"the layer outputs ('{layers[0].name}' {layers[0].shape}) have no batch axis: "
                                "the tokens are packed (remove-padding); run remove-padding without early-exit")
         if len(g.outputs) != 1:

@@ -206,6 +206,21 @@ def test_refuses_embedding_output_with_fidelity_table():
     assert [n.op_type for n in model.graph] == before
 
 
+def test_remove_padding_either_way():
+    """Packed tokens have no batch axis to gate: early-exit refuses them; remove-padding refuses If graphs."""
+    from graphopt import registry
+
+    packed = _tiny_encoder(classifier=False)  # remove-padding refuses the classifier's first-token Gather
+    rp = registry.builtin().create("remove-padding")(packed, PassContext(calib_feeds=_feeds(2)))
+    assert rp.modified, rp.notes
+    result = _apply(packed, _feeds(6))
+    assert not result.modified and "packed by remove-padding" in result.notes[0]
+    model = _tiny_encoder()
+    assert _apply(model, _feeds(6), threshold=0.5).modified
+    rp = registry.builtin().create("remove-padding")(model, PassContext(calib_feeds=_feeds(2)))
+    assert not rp.modified and "subgraphs" in " ".join(rp.notes)
+
+
 def test_options_are_checked():
     from graphopt.errors import UsageError
 
@@ -251,7 +266,8 @@ def test_classifier_through_the_pipeline():
                             overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer"])
     assert res.ok
     rec = [r for r in res.report.passes if r.name == "early-exit"][0]
-    assert rec.budget_met is not False and rec.modified, rec.notes
+    assert rec.status == "ok" and rec.modified, rec.notes
+    print(rec.notes, rec.verification)
     ops = [n.op_type for n in res.model.graph]
     assert "If" in ops and "Attention" in ops  # fused before the layers moved into the branches
     inner = [n for n in ir.traversal.RecursiveGraphIterator(res.model.graph) if n.op_type == "Attention"]

@@ -21,7 +21,11 @@ matplotlib).
 
 Usage::
 
-    python tools/bench_early_exit.py [--rounds 7] [--batch1 64] [--plot docs/early_exit.png] [--json out.json]
+    python tools/bench_early_exit.py [--workload templates|mixed] [--rounds 7] [--batch1 64]
+                                     [--plot docs/early_exit.png] [--json out.json]
+
+``--workload mixed`` joins two template sentences per item (the second drawn at random, so half the
+items mix a positive and a negative sentence): the full model is less sure, exits must be chosen.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("bench_early_exit")
 
 
-def _data():
+def _data(workload: str):
     sys.path.insert(0, str(ROOT / "models"))
     import minilm_classifier as mc  # type: ignore[import-not-found]
 
@@ -49,6 +53,13 @@ def _data():
     tok = text_feeds.load_tokenizer(mc.train_folder())
     train, test = mc.dataset(seed=1, per_label=800)
     lines = [t for t, _ in train + test]
+    if workload == "mixed":  # two template sentences each, half of them of opposite sentiment: harder
+        rng = np.random.default_rng(1)
+        items = train + test
+        lines = []
+        for i in range(len(items)):
+            a, b = items[i], items[int(rng.integers(len(items)))]
+            lines.append(f"{a[0]} {b[0]}")
     half = len(lines) // 2
     calib, _ = text_feeds.text_feeds(tok, lines[:half], batch=32, order="file")
     held, _ = text_feeds.text_feeds(tok, lines[half:], batch=32, order="file")
@@ -61,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch1", type=int, default=64, help="held-back sentences timed one by one")
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--workload", choices=("templates", "mixed"), default="templates",
+                    help="templates: the classifier's sentences; mixed: pairs of them (half with opposite labels)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -69,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.registry import PassContext
     from graphopt.rewrites.early_exit import EarlyExit
 
-    path, tok, held_lines, calib, held = _data()
+    path, tok, held_lines, calib, held = _data(args.workload)
     fused = pipeline.optimize(str(path), passes="cleanup,fuse", verify_level="structure").model
     proto = ir.to_proto(fused)
     variants: dict[str, ir.Model] = {"full": fused}
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.axhline(97, color="gray", lw=0.6, ls=":")
         ax.set_xlabel("speedup vs the full fused model (CPU time, median)")
         ax.set_ylabel("held-back argmax agreement (%)")
-        ax.set_title("early-exit on the MiniLM sentiment classifier")
+        ax.set_title(f"early-exit on the MiniLM sentiment classifier ({args.workload})")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
