@@ -206,6 +206,24 @@ def test_refuses_embedding_output_with_fidelity_table():
     assert [n.op_type for n in model.graph] == before
 
 
+def test_after_quantize_the_quantized_layers_move_into_the_branches():
+    from graphopt import registry
+
+    model = _tiny_encoder()
+    q = registry.builtin().create("quantize", {"mode": "dynamic"})(
+        model, PassContext(calib_feeds=_feeds(4), feeds=_feeds(2, seed=3), budget=metrics.parse_budget("top1>=0.5")))
+    assert q.modified, q.notes
+    feeds = _feeds(2, seed=7)
+    ref = _run(model, feeds)
+    result = _apply(model, _feeds(6), threshold=1.5, mode="row", layers="1")
+    assert result.modified
+    [branch] = [n for n in model.graph if n.op_type == "If"]
+    inside = [n.op_type for n in branch.attributes["else_branch"].as_graph()]
+    assert inside.count("DynamicQuantizeMatMul") >= 2 * 6  # layers 2 and 3
+    for g, r in zip(_run(model, feeds), ref):
+        assert np.array_equal(g["logits"], r["logits"])
+
+
 def test_remove_padding_either_way():
     """Packed tokens have no batch axis to gate: early-exit refuses them; remove-padding refuses If graphs."""
     from graphopt import registry
