@@ -102,7 +102,7 @@ def find_layers(graph: ir.Graph) -> tuple[list[ir.Value], str]:
         if (n.domain, n.op_type) not in _NORMS or not n.outputs or n.outputs[0].shape is None:
             continue
         h = n.outputs[0]
-        if len(h.shape) != 3 or not h.uses():
+        if len(h.shape) != 3 or not (h.uses() or id(h) in outs):
             continue
         sig = signature(h)
         crossing = False

@@ -311,4 +311,5 @@ def test_embeddings_refused_with_fidelity_table():
     assert not result.modified and result.budget_met is False
     note = result.notes[0]
     assert "not class logits" in note and all(f"layer {k}: cosine" in note for k in range(1, 6))
+    assert "'layer_norm_10', 'last_hidden_state')" in result.notes[1]  # layer 6 ends at the graph output
     assert len(list(model.graph)) == n
