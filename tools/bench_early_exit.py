@@ -12,8 +12,8 @@ Variants (all made from the same fused model: ``cleanup,fuse``):
     r0.99/r0.97   the same, mode=row
     at-Lk         every row leaves at layer k (threshold 0): the trade-off curve's fixed points
 
-Measured: argmax agreement with ``full`` and the exit-layer histogram on the held-back sentences
-(batches of 32), and latency interleaved with ``graphopt.bench.bench_sessions`` (ORT all
+Measured: argmax agreement with ``full`` and the exit-layer histogram on the held-back sentences,
+one by one (batch 1) and in batches of 32, and latency interleaved with ``graphopt.bench.bench_sessions`` (ORT all
 optimizations, 1 intra-op thread, spinning off, per-thread CPU time so other jobs on the VM don't
 count): batch 1 over ``--batch1`` held-back sentences one by one, and row mode at batch 32 over
 the held-back batches. Writes a markdown table on stdout, JSON (``--json``) and the plot (``--plot``,
@@ -112,8 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         ex = np.concatenate([g["exit_layer"] for g in got]) if "exit_layer" in got[0] else np.full(800, 6)
         rows[n] = {"agreement": agree, "histogram": np.bincount(ex, minlength=7)[1:].tolist(),
                    "mean_exit_layer": float(ex.mean())}
+    # fidelity at batch 1 (every held-back sentence alone: what mode=batch decides per sentence)
+    singles, _ = text_feeds.text_feeds(tok, held_lines, batch=1, order="file")
+    ref1 = runtime.run(sessions["full"], singles)
+    for n, s in sessions.items():
+        got = runtime.run(s, singles)
+        rows[n]["agreement_b1"] = metrics.compare(got, ref1, singles, outputs=["logits"]).worst("top1")
+        if "exit_layer" in got[0]:
+            ex = np.concatenate([g["exit_layer"] for g in got])
+            rows[n]["histogram_b1"] = np.bincount(ex, minlength=7)[1:].tolist()
     # latency: batch 1 (mode=batch models), batch 32 (mode=row models)
-    one, _ = text_feeds.text_feeds(tok, held_lines[: args.batch1], batch=1, order="file")
+    one = singles[: args.batch1]
     b1_names = ["full", "b0.99", "b0.97"] + [f"at-L{k}" for k in range(1, 6)]
     b1 = bench.bench_sessions({n: sessions[n] for n in b1_names if n in sessions}, one, rounds=args.rounds,
                               clock="cpu")
@@ -125,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in res:
             rows[r.name][f"{key}_ms"] = 1e3 * r.p50 / len(one if key == "batch1" else held)
             rows[r.name][f"{key}_speedup"] = base / r.p50
-    print("| variant | held-back top1 | mean exit layer | exits L1..L6 | batch 1 ms/sentence | speedup b1 | "
-          "batch 32 ms/batch | speedup b32 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| variant | top1 @b1 | exits L1..L6 @b1 | batch 1 ms/sentence | speedup b1 | top1 @b32 | "
+          "exits L1..L6 @b32 | batch 32 ms/batch | speedup b32 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, r in rows.items():
         b1s = f"{r['batch1_ms']:.2f} | {r['batch1_speedup']:.2f}x" if "batch1_ms" in r else "- | -"
         b32s = f"{r['batch32_ms']:.1f} | {r['batch32_speedup']:.2f}x" if "batch32_ms" in r else "- | -"
-        print(f"| {n} | {r['agreement']:.4f} | {r['mean_exit_layer']:.2f} | {r['histogram']} | {b1s} | {b32s} |")
+        print(f"| {n} | {r['agreement_b1']:.4f} | {r.get('histogram_b1', '-')} | {b1s} | {r['agreement']:.4f} | "
+              f"{r['histogram']} | {b32s} |")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "notes": notes}, indent=2) + "\n")
     if args.plot:
@@ -142,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for key, marker, label in (("batch1", "o", "batch 1"), ("batch32", "s", "batch 32")):
-            pts = [(r[f"{key}_speedup"], r["agreement"], n) for n, r in rows.items() if f"{key}_speedup" in r]
+            agree = "agreement_b1" if key == "batch1" else "agreement"
+            pts = [(r[f"{key}_speedup"], r[agree], n) for n, r in rows.items() if f"{key}_speedup" in r]
             ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, label=label)
             for x, y, n in pts:
                 ax.annotate(n, (x, 100 * y), fontsize=7, xytext=(3, 3), textcoords="offset points")
