@@ -279,7 +279,7 @@ def test_classifier_through_the_pipeline():
         load_models_module("minilm_classifier").build()
     from graphopt import pipeline
 
-    feeds = _sentence_feeds(16)
+    feeds = _sentence_feeds(10)
     res = pipeline.optimize(CLASSIFIER, passes="cleanup,fuse,early-exit", feeds=feeds,
                             overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer"])
     assert res.ok
@@ -290,7 +290,7 @@ def test_classifier_through_the_pipeline():
     assert "If" in ops and "Attention" in ops  # fused before the layers moved into the branches
     inner = [n for n in ir.traversal.RecursiveGraphIterator(res.model.graph) if n.op_type == "Attention"]
     assert len(inner) == 6
-    held = _sentence_feeds(8, offset=16)
+    held = _sentence_feeds(4, offset=10)
     ref = runtime.run(runtime.make_session(CLASSIFIER), held)
     got = runtime.run(runtime.make_session(res.model), held)
     assert metrics.compare(got, ref, held).worst("top1") >= 0.99
