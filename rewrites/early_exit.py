@@ -39,7 +39,8 @@ and their results are ``ScatterND``-ed back in the original order. ``exit_output
 Order: run after ``fuse`` and ``quantize`` (``run_after``): fusion and quantization then happen
 before the layers move into the branches. ``remove-padding`` packs tokens of all rows into one
 sequence, so layers have no batch axis to gate: the pass refuses a packed graph (run
-``remove-padding`` without ``early-exit``).
+``remove-padding`` without ``early-exit``), and ``remove-padding`` refuses a graph with ``If`` nodes.
+(It also refuses first-token pooling, so classifiers like the MiniLM sentiment model never pack.)
 
 Refuses (graph unchanged, ``budget_met=False`` where a budget could not be met, the reason and the
 per-exit fidelity table in the notes): no layer boundaries; more than one graph output; an output that
