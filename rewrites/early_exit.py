@@ -85,7 +85,6 @@ _PREFIX = "early_exit"
 def find_layers(graph: ir.Graph) -> tuple[list[ir.Value], str]:
     """The residual-stream value after each transformer layer, in order, or ([], why not)."""
     nodes = list(graph)
-    pos = {id(n): i for i, n in enumerate(nodes)}
     last_use: dict[int, int] = {}
     for i, n in enumerate(nodes):
         for v in n.inputs:
@@ -131,7 +130,6 @@ def find_layers(graph: ir.Graph) -> tuple[list[ir.Value], str]:
     layers = [cuts[j][1] for j in opens[1:]]
     if opens[-1] != len(cuts) - 1:
         layers.append(cuts[-1][1])
-    del pos
     return layers, ""
 
 
