@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from graphopt.metrics import Budget
 
 #: the modules of ``graphopt.rewrites`` that define the builtin passes (one ``register`` call each)
-BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "sparsify")
+BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "sparsify",
+                                     "contextual_sparsity")
 
 Feed = Mapping[str, np.ndarray]
 

@@ -117,7 +117,7 @@ def gelu(z: np.ndarray) -> np.ndarray:
 
 
 def collect(model: ir.Model, ffns: Sequence[FFN], feeds: Sequence[Mapping[str, np.ndarray]], *,
-            sample_rows: int = 2048) -> dict[str, calib_mod.Stats]:
+            sample_rows: int = 512) -> dict[str, calib_mod.Stats]:
     """Calibration statistics of each FFN's input X and activation A (rows: tokens, padding masked)."""
     names = [f.x.name for f in ffns] + [f.a.name for f in ffns]
     return calib_mod.collect(model, feeds, names, xtx_for=names, sample_rows=sample_rows)
@@ -149,3 +149,31 @@ def unique_name(graph: ir.Graph, base: str) -> str:
     while name in taken:
         name, i = f"{base}_{i}", i + 1
     return name
+
+
+def ladder(n_layers: int, levels: Sequence[float], local_error) -> list[list[float]]:
+    """Per-layer level lists from every layer at ``levels[0]`` to all at the last level (the lossless end).
+
+    Each rung moves the layer with the largest ``local_error(layer, level)`` one level on.
+    """
+    at = [0] * n_layers
+    out = []
+    while True:
+        out.append([levels[s] for s in at])
+        open_ = [i for i, s in enumerate(at) if s < len(levels) - 1]
+        if not open_:
+            return out
+        worst = max(open_, key=lambda i: local_error(i, levels[at[i]]))
+        at[worst] += 1
+
+
+def first_passing(n: int, ok) -> int | None:
+    """Binary search for the first index in ``range(n)`` where ``ok`` holds (monotone assumption)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if lo < n and ok(lo) else None

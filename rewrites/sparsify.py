@@ -311,12 +311,16 @@ class _Run:
 
     # ------------------------------------------------------------ measuring
 
-    def evaluate(self, plan: Mapping[int, tuple[str, float]], which: str) -> Comparison:
+    def evaluate(self, plan: Mapping[int, tuple[str, float]], held_always: bool = False
+                 ) -> tuple[Comparison, Comparison | None]:
+        """Quality of ``plan`` on the calibration feeds and (when those meet the budget) the held-back ones."""
         cand = self.model.clone()
         self.build(cand, plan)
         sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
-        feeds, ref = (self.calib, self.ref_calib) if which == "calib" else (self.held, self.ref_held)
-        return compare(runtime.run(sess, feeds), ref, feeds)
+        cal = compare(runtime.run(sess, self.calib), self.ref_calib, self.calib)
+        if not held_always and self.budget.failures(cal):
+            return cal, None
+        return cal, compare(runtime.run(sess, self.held), self.ref_held, self.held)
 
     def macs(self, plan: Mapping[int, tuple[str, float]]) -> float:
         """FFN multiply-adds kept, as a fraction of dense (2:4 and unstructured run dense: 1.0)."""
@@ -341,55 +345,36 @@ class _Run:
 
     # ------------------------------------------------------------ the search
 
-    def ladder(self, pattern: str, levels: Sequence[float]) -> list[dict[int, tuple[str, float]]]:
-        """Plans from every layer at the sparsest level to all dense, relaxing the worst local error first."""
-        steps = [*levels, 0.0]
-        at = [0] * len(self.ffns)
-        out = []
-        while True:
-            out.append({i: (pattern, steps[s]) for i, s in enumerate(at)})
-            open_ = [i for i, s in enumerate(at) if steps[s] > 0]
-            if not open_:
-                return out
-            worst = max(open_, key=lambda i: self.layer(i, pattern, steps[at[i]]).local_error)
-            at[worst] += 1
-
     def search(self, pattern: str) -> tuple[dict[int, tuple[str, float]] | None, Comparison | None]:
-        """The sparsest plan of ``pattern`` meeting the budget on calibration and held-back feeds."""
-        plans = self.ladder(pattern, LEVELS[pattern])[:-1]  # the last rung is the dense model
+        """The sparsest plan of ``pattern`` meeting the budget on calibration and then held-back feeds.
+
+        A ladder from every layer at the sparsest level to dense (the layer with the largest local error
+        relaxed first), binary-searched (quality assumed monotone along it): a rung passes when it meets the
+        budget on the calibration feeds and then on the held-back feeds.
+        """
+        rungs = _ffn.ladder(len(self.ffns), [*LEVELS[pattern], 0.0],
+                            lambda i, level: self.layer(i, pattern, level).local_error)[:-1]
+        plans = [{i: (pattern, level) for i, level in enumerate(r)} for r in rungs]
         budget = self.budget
-        cal: dict[int, Comparison] = {}
+        seen: dict[int, tuple[Comparison, Comparison | None]] = {}
 
-        def ok_calib(j: int) -> bool:
-            if j not in cal:
-                cal[j] = self.evaluate(plans[j], "calib")
-            return not budget.failures(cal[j])
+        def ok(j: int) -> bool:
+            if j not in seen:
+                cal, held = self.evaluate(plans[j])
+                seen[j] = (cal, held)
+                verdict = ("fails on calib" if held is None else
+                           "fails on held-back feeds" if budget.failures(held) else "meets the budget")
+                self.row(pattern, plans[j], cal, held, verdict)
+            held = seen[j][1]
+            return held is not None and not budget.failures(held)
 
-        lo, hi = 0, len(plans)  # find the first rung that holds on calib (monotone assumption)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ok_calib(mid):
-                hi = mid
-            else:
-                self.row(pattern, plans[mid], cal[mid], None, "fails on calib")
-                lo = mid + 1
-        j = lo
-        while j < len(plans):
-            if not ok_calib(j):
-                self.row(pattern, plans[j], cal[j], None, "fails on calib")
-                j += 1
-                continue
-            held = self.evaluate(plans[j], "held")
-            if not budget.failures(held):
-                self.row(pattern, plans[j], cal[j], held, "meets the budget")
-                return plans[j], held
-            self.row(pattern, plans[j], cal[j], held, "fails on held-back feeds")
-            j += 1
-        return None, None
+        j = _ffn.first_passing(len(plans), ok)
+        return (None, None) if j is None else (plans[j], seen[j][1])
 
     def go(self) -> PassResult:
         o, ctx, model = self.opts, self.ctx, self.model
         self.ffns = _ffn.find(model)
+        self.budget: Budget = ctx.budget if ctx.budget else parse_budget(DEFAULT_BUDGET)
         if not self.ffns:
             self.note("not applied: no FFN block (MatMul → Gelu/BiasGelu/FastGelu → MatMul with constant weights)")
             return PassResult(model, False, notes=self.notes)
@@ -418,15 +403,14 @@ class _Run:
         ref_sess = runtime.make_session(standins.cpu_runnable(model)[0], threads=1)
         self.ref_calib = runtime.run(ref_sess, self.calib)
         self.ref_held = runtime.run(ref_sess, self.held)
-        self.budget: Budget = ctx.budget if ctx.budget else parse_budget(DEFAULT_BUDGET)
         self.note(f"{len(self.ffns)} FFN blocks; scores {o.scores}, compensation {'on' if o.compensate else 'off'}; "
                   f"{len(self.calib)} calibration / {len(self.held)} held-back feeds")
 
         if o.sparsity:
             plan = {i: (o.pattern, o.sparsity) for i in range(len(self.ffns))}
-            held = self.evaluate(plan, "held")
+            cal, held = self.evaluate(plan, held_always=True)
             fails = self.budget.failures(held) if ctx.budget else []
-            self.row(o.pattern, plan, None, held, "breaks the budget" if fails else "as asked")
+            self.row(o.pattern, plan, cal, held, "breaks the budget" if fails else "as asked")
             self._table_note()
             self.note(f"asked for {o.pattern} at {o.sparsity:.0%}: held-back cosine {held.worst('cosine'):.4f}, "
                       f"cosine_min {held.worst('cosine_min'):.4f}, max_abs {held.worst('max_abs'):.3g}; "
