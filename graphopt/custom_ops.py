@@ -26,8 +26,9 @@ import onnx_ir as ir
 
 DOMAIN = "ai.graphopt"
 VERSION = 1
-#: the standard opset the function bodies are written in
-BODY_OPSET = 17
+#: the oldest standard opset the function bodies are valid in (Shape start/end); a body imports the model's own
+#: default opset, as the ONNX checker requires
+BODY_OPSET = 15
 
 
 def _ints(t: ir.tape.Tape, values: list[int]) -> ir.Value:
@@ -40,7 +41,7 @@ def _ref_int(t: ir.tape.Tape, attr: str) -> ir.Value:
     return t.op("Unsqueeze", [scalar, _ints(t, [0])])
 
 
-def block_sparse_matmul() -> ir.Function:
+def block_sparse_matmul(opset: int = BODY_OPSET) -> ir.Function:
     """The function ``ai.graphopt::BlockSparseMatMul`` (see the module docstring)."""
     x = ir.Value(name="X")
     wb = ir.Value(name="W_blocks")
@@ -58,12 +59,12 @@ def block_sparse_matmul() -> ir.Function:
     y4 = t.op("Transpose", [y3], attributes={"perm": [1, 0, 2]})
     y = t.op("Reshape", [y4, t.op("Concat", [lead, _ints(t, [-1])], attributes={"axis": 0})])
     y.name = "Y"
-    graph = ir.Graph([x, wb, idx], [y], nodes=t.nodes, opset_imports={"": BODY_OPSET}, name="BlockSparseMatMul")
+    graph = ir.Graph([x, wb, idx], [y], nodes=t.nodes, opset_imports={"": opset}, name="BlockSparseMatMul")
     return ir.Function(DOMAIN, "BlockSparseMatMul", graph=graph,
                        attributes=[ir.Attr("block_size", ir.AttributeType.INT, 32)])
 
 
-def nm_sparse_matmul() -> ir.Function:
+def nm_sparse_matmul(opset: int = BODY_OPSET) -> ir.Function:
     """The function ``ai.graphopt::NMSparseMatMul`` (see the module docstring)."""
     x = ir.Value(name="X")
     vals = ir.Value(name="values")
@@ -80,7 +81,7 @@ def nm_sparse_matmul() -> ir.Function:
     w = t.op("Reshape", [d2, t.op("Concat", [_ints(t, [-1]), n_out], attributes={"axis": 0})])
     y = t.op("MatMul", [x, w])
     y.name = "Y"
-    graph = ir.Graph([x, vals, pos], [y], nodes=t.nodes, opset_imports={"": BODY_OPSET}, name="NMSparseMatMul")
+    graph = ir.Graph([x, vals, pos], [y], nodes=t.nodes, opset_imports={"": opset}, name="NMSparseMatMul")
     return ir.Function(DOMAIN, "NMSparseMatMul", graph=graph,
                        attributes=[ir.Attr("n", ir.AttributeType.INT, 2), ir.Attr("m", ir.AttributeType.INT, 4)])
 
@@ -96,13 +97,17 @@ def attach(model: ir.Model, ops: Iterable[str] | None = None) -> list[str]:
     """
     if ops is None:
         ops = sorted({n.op_type for n in model.graph.all_nodes() if n.domain == DOMAIN})
+    ops = list(ops)
     added = []
+    opset = model.opset_imports.get("", BODY_OPSET)
+    if opset < BODY_OPSET:
+        raise ValueError(f"{DOMAIN} function bodies need opset >= {BODY_OPSET}; the model imports {opset}")
     for op in ops:
         if op not in FUNCTIONS:
             raise KeyError(f"unknown {DOMAIN} op {op!r}; known: {', '.join(FUNCTIONS)}")
         if (DOMAIN, op, "") in model.functions:
             continue
-        fn = FUNCTIONS[op]()
+        fn = FUNCTIONS[op](opset)
         model.functions[fn.identifier()] = fn
         added.append(op)
     if ops:

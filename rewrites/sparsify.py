@@ -16,8 +16,10 @@ tokens) it drops weights in one of four patterns (``pattern=``):
 Scores (``scores=``): ``wanda`` (|W| · ‖x‖ of the input feature over calibration tokens; for neurons
 ‖a_j‖ · ‖W2[j]‖) or ``magnitude`` (|W|; for neurons ‖W1[:, j]‖ · ‖W2[j]‖). ``compensate=true`` re-fits the
 kept weights on calibration activations: an exact least-squares solve where all columns of a group share
-their kept rows (neurons: W2 on the kept neurons; blocks: one solve per output block column), the
-SparseGPT sequential update (OBS, lazy batches) where every column has its own mask (2:4, unstructured).
+their kept rows (neurons: W2 on the kept neurons; blocks: one solve per output block column); where every
+column has its own mask (2:4, unstructured) one solve per column while a column keeps at most
+``EXACT_MAX_ROWS`` (512) rows, else the SparseGPT sequential update (OBS with the mask fixed, lazy batches:
+cheaper, but on a correlated toy it removed 7% of the error where exact solves removed 36%).
 
 Budget: ``ctx.budget`` (default ``cosine>=0.99,cosine_min>=0.97``). Per-layer sparsity: every layer starts
 at the pattern's sparsest level; the layer with the largest local error (relative error of its FFN output on
@@ -107,6 +109,27 @@ def sparsegpt(w: np.ndarray, keep: np.ndarray, g: np.ndarray, damp: float, batch
         wf[i1:i2] = blk
         wf[i2:] -= hinv[i1:i2, i2:].T @ err
     return (wf * keep).astype(np.float32)
+
+
+def lstsq_columns(w: np.ndarray, keep: np.ndarray, g: np.ndarray, damp: float, chunk: int = 64) -> np.ndarray:
+    """Exact least-squares re-fit of every column of ``w`` on its own kept rows (batched solves)."""
+    gd = _damped(g, damp)
+    out = np.zeros(w.shape, np.float64)
+    kept = int(keep[:, 0].sum())
+    if not np.all(keep.sum(axis=0) == kept):
+        raise ValueError("every column must keep the same number of rows")
+    rows = np.sort(np.argsort(~keep, axis=0, kind="stable")[:kept], axis=0).T  # [N, kept]
+    for c0 in range(0, w.shape[1], chunk):
+        r = rows[c0:c0 + chunk]
+        a = gd[r[:, :, None], r[:, None, :]]                                   # [c, kept, kept]
+        rhs = np.einsum("ckj,jc->ck", g[r], w[:, c0:c0 + chunk].astype(np.float64))
+        sol = np.linalg.solve(a, rhs[..., None])[..., 0]
+        np.put_along_axis(out[:, c0:c0 + chunk], r.T, sol.T, axis=0)
+    return out.astype(np.float32)
+
+
+#: above this many kept rows per column, per-column exact solves cost too much: SparseGPT's update instead
+EXACT_MAX_ROWS = 512
 
 
 def _elem_scores(w: np.ndarray, g: np.ndarray | None, scores: str) -> np.ndarray:
@@ -234,7 +257,12 @@ class _Run:
                         nw = w * dense
                 else:
                     keep = nm_mask(w, g, o.scores) if pattern == "2:4" else column_mask(w, g, level, o.scores)
-                    nw = sparsegpt(w, keep, g, o.damp) if o.compensate else w * keep
+                    if not o.compensate:
+                        nw = w * keep
+                    elif keep.sum(axis=0).max() <= EXACT_MAX_ROWS:
+                        nw = lstsq_columns(w, keep, g, o.damp)
+                    else:
+                        nw = sparsegpt(w, keep, g, o.damp)
                 ws.append((nw.astype(np.float32), keep))
             (nw1, k1), (nw2, k2) = ws
             lay = _Layer(nw1, nw2, b1, keep1=k1, keep2=k2)
@@ -384,6 +412,11 @@ class _Run:
                 self.note(f"not applied: block_size {o.block_size} does not divide the FFN shapes")
                 return PassResult(model, False, notes=self.notes)
             patterns.remove("blocks")
+        if {"blocks", "2:4"} & set(patterns) and model.opset_imports.get("", 0) < custom_ops.BODY_OPSET:
+            if o.pattern in ("blocks", "2:4"):
+                self.note(f"not applied: the {custom_ops.DOMAIN} ops need opset >= {custom_ops.BODY_OPSET}")
+                return PassResult(model, False, notes=self.notes)
+            patterns = [p for p in patterns if p not in ("blocks", "2:4")]
         if "2:4" in patterns and any(f.hidden % 4 or f.width % 4 for f in self.ffns):
             self.note("not applied: FFN shapes not divisible by 4")
             return PassResult(model, False, notes=self.notes)
