@@ -180,7 +180,7 @@ def test_through_the_pipeline_after_remove_padding(tiny):
     probe = result.model.clone()
     probe.graph.outputs.append(next(n for n in probe.graph if n.op_type == "BlockSparseMatMul").inputs[0])
     x = _run(probe, feeds[:1])[0][probe.graph.outputs[-1].name]
-    assert x.size < feeds[0]["attention_mask"].size * 64 / 2  # packed: rows are tokens, not the padded 4 x 16
+    assert x.size <= (feeds[0]["attention_mask"].sum() + 1) * 64  # packed: rows are tokens, not the padded 4 x 16
     assert rec.rule_counts == {"blocks": 2}
     assert _ops(result.model)["BlockSparseMatMul"] == 4
 
