@@ -74,9 +74,16 @@ def test_keep_rewrites_every_ffn_and_keeps_only_the_union_of_rows(tiny):
     assert compare(a, b, feeds[3:]).worst("cosine") > 0.9999
 
 
+def test_declines_when_the_batch_union_is_nearly_dense(tiny):
+    path, feeds = tiny
+    res = _call(path, feeds, budget="cosine>=0.9", rank=16, max_union=0.5)  # 4 x 16 batches: wide unions
+    assert not res.modified and res.budget_met is False
+    assert "union of their tokens' selections" in res.notes[-1]
+
+
 def test_budget_holds_on_held_back_feeds_or_declines(tiny):
     path, feeds = tiny
-    res = _call(path, feeds, budget="cosine>=0.999", rank=16)
+    res = _call(path, feeds, budget="cosine>=0.999", rank=16, max_union=1.0)
     if res.modified:
         assert res.budget_met is True
         held = feeds[3:]
@@ -94,7 +101,7 @@ def test_declines_when_nothing_fits(tiny):
 def test_refusals(mlp_path):
     res = ContextualSparsityPass()(ir.load(mlp_path), PassContext())
     assert not res.modified and res.notes[0].startswith("not applied")
-    for bad in ({"rank": 0}, {"keep": 1.5}, {"damp": 0}):
+    for bad in ({"rank": 0}, {"keep": 1.5}, {"damp": 0}, {"max_union": 0}):
         with pytest.raises(UsageError):
             ContextualSparsityPass(**bad)
 
