@@ -143,7 +143,7 @@ def minilm(rounds: int, n_sent: int) -> dict:
         cos, tmin = emb_cos(res.model)
         rec = next(n for n in res.notes if n.startswith("predictor recall"))
         recalls[name] = rec
-        union = next(n for n in res.notes if n.startswith("measured")).split("union kept")[1].split("|")[0].strip()
+        union = next(n for n in res.notes if n.startswith("measured")).split("union kept")[-1].split("|")[0].strip()
         rows.append({"variant": name, "emb_cos": round(cos, 4), "token_cos_min": round(tmin, 4), "union": union})
         variants[name] = res.model
         print(rows[-1], rec, flush=True)
