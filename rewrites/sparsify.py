@@ -24,8 +24,9 @@ cheaper, but on a correlated toy it removed 7% of the error where exact solves r
 Budget: ``ctx.budget`` (default ``cosine>=0.99,cosine_min>=0.97``). Per-layer sparsity: every layer starts
 at the pattern's sparsest level; the layer with the largest local error (relative error of its FFN output on
 calibration tokens) is stepped down one level at a time, making a ladder from sparsest to dense; a binary
-search finds the sparsest rung that meets the budget on the calibration feeds, then the rung is confirmed on
-the held-back feeds (walking further down the ladder if it fails there). With an explicit ``sparsity=``
+search (quality assumed monotone along the ladder) finds the sparsest rung that meets the budget on the
+calibration feeds and then on the held-back feeds (``ctx.feeds``). Both measurements of every rung tried
+go to the notes. With an explicit ``sparsity=``
 every FFN gets that sparsity and the cost is reported (with a budget that it breaks, the model is kept).
 
 Declines (model unchanged, ``budget_met=False``, the measured table in the notes): nothing faster than dense
