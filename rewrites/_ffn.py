@@ -1,0 +1,179 @@
+"""Transformer FFN blocks with constant weights, shared by ``sparsify`` and ``contextual-sparsity``.
+
+    X ──MatMul(W1[H, F])──▶ (Add b1) ──▶ Gelu | com.microsoft BiasGelu(·, b1) | FastGelu(·, b1?) ──▶ A
+    A ──MatMul(W2[F, H])──▶ …
+
+Found on unfused exports (dynamo: MatMul → Add → Gelu → MatMul), fused graphs (MatMul → BiasGelu →
+MatMul) and after ``remove-padding`` (packed tokens ``[N, H]``). Every intermediate value must have one
+reader (nothing else sees the F-wide activations), else the block is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt.opsets import node_domain
+from graphopt.rewrites import _quant_calib as calib_mod
+
+ACTIVATIONS = {("", "Gelu"), ("com.microsoft", "BiasGelu"), ("com.microsoft", "FastGelu")}
+
+
+@dataclasses.dataclass
+class FFN:
+    """One FFN block: its nodes, constant weights and the activations around it."""
+
+    mm1: ir.Node
+    add1: ir.Node | None
+    act: ir.Node
+    mm2: ir.Node
+    bias: ir.Value | None  # the constant b1 (an Add input or the activation's second input)
+
+    @property
+    def key(self) -> str:
+        return self.mm1.name or self.mm1.outputs[0].name
+
+    @property
+    def x(self) -> ir.Value:
+        return self.mm1.inputs[0]
+
+    @property
+    def a(self) -> ir.Value:
+        return self.act.outputs[0]
+
+    @property
+    def w1(self) -> np.ndarray:
+        return self.mm1.inputs[1].const_value.numpy()
+
+    @property
+    def w2(self) -> np.ndarray:
+        return self.mm2.inputs[1].const_value.numpy()
+
+    @property
+    def b1(self) -> np.ndarray | None:
+        return None if self.bias is None else self.bias.const_value.numpy()
+
+    @property
+    def width(self) -> int:
+        return int(self.w1.shape[1])
+
+    @property
+    def hidden(self) -> int:
+        return int(self.w1.shape[0])
+
+
+def _const(v: ir.Value | None, rank: int) -> bool:
+    return v is not None and v.const_value is not None and len(v.const_value.shape) == rank
+
+
+def _only_reader(v: ir.Value) -> ir.Node | None:
+    uses = list(v.uses())
+    if len(uses) != 1 or v.is_graph_output():
+        return None
+    return uses[0][0]
+
+
+def find(model: ir.Model) -> list[FFN]:
+    """Every FFN block of the main graph, in graph order."""
+    out = []
+    for mm1 in model.graph:
+        if mm1.op_type != "MatMul" or node_domain(mm1) != "" or not _const(mm1.inputs[1], 2):
+            continue
+        nxt = _only_reader(mm1.outputs[0])
+        add1 = bias = None
+        if nxt is not None and nxt.op_type == "Add" and node_domain(nxt) == "":
+            other = nxt.inputs[1] if nxt.inputs[0] is mm1.outputs[0] else nxt.inputs[0]
+            if not _const(other, 1):
+                continue
+            add1, bias = nxt, other
+            nxt = _only_reader(nxt.outputs[0])
+        if nxt is None or (node_domain(nxt), nxt.op_type) not in ACTIVATIONS or nxt.inputs[0] is not (
+                add1 or mm1).outputs[0]:
+            continue
+        act = nxt
+        if len(act.inputs) > 1 and act.inputs[1] is not None:
+            if bias is not None or not _const(act.inputs[1], 1):
+                continue
+            bias = act.inputs[1]
+        mm2 = _only_reader(act.outputs[0])
+        if mm2 is None or mm2.op_type != "MatMul" or mm2.inputs[0] is not act.outputs[0] or not _const(
+                mm2.inputs[1], 2):
+            continue
+        f = FFN(mm1, add1, act, mm2, bias)
+        if f.w2.shape[0] != f.width or (f.b1 is not None and f.b1.shape[0] != f.width):
+            continue
+        out.append(f)
+    return out
+
+
+def gelu(z: np.ndarray) -> np.ndarray:
+    """Exact (erf) GELU in numpy."""
+    from scipy.special import erf
+
+    return 0.5 * z * (1.0 + erf(z / np.sqrt(2.0)))
+
+
+def collect(model: ir.Model, ffns: Sequence[FFN], feeds: Sequence[Mapping[str, np.ndarray]], *,
+            sample_rows: int = 512) -> dict[str, calib_mod.Stats]:
+    """Calibration statistics of each FFN's input X and activation A (rows: tokens, padding masked)."""
+    names = [f.x.name for f in ffns] + [f.a.name for f in ffns]
+    return calib_mod.collect(model, feeds, names, xtx_for=names, sample_rows=sample_rows)
+
+
+def set_width(v: ir.Value, width: int) -> None:
+    """Make the last dimension of ``v``'s recorded shape ``width`` (after dropping neurons)."""
+    if v.shape is not None and len(v.shape):
+        v.shape = ir.Shape([*list(v.shape)[:-1], width])
+
+
+def replace_const(node: ir.Node, index: int, array: np.ndarray, name: str) -> ir.Value:
+    """Put a fresh initializer ``array`` in ``node``'s input ``index`` (the old one is dropped if unused)."""
+    graph = node.graph
+    old = node.inputs[index]
+    new = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(array), name=name),
+                   shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)))
+    graph.register_initializer(new)
+    node.replace_input_with(index, new)
+    if old is not None and not list(old.uses()) and old.name in graph.initializers:
+        graph.initializers.pop(old.name)
+    return new
+
+
+def unique_name(graph: ir.Graph, base: str) -> str:
+    """A value name not used in ``graph`` yet."""
+    taken = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+def ladder(n_layers: int, levels: Sequence[float], local_error) -> list[list[float]]:
+    """Per-layer level lists from every layer at ``levels[0]`` to all at the last level (the lossless end).
+
+    Each rung moves the layer with the largest ``local_error(layer, level)`` one level on.
+    """
+    at = [0] * n_layers
+    out = []
+    while True:
+        out.append([levels[s] for s in at])
+        open_ = [i for i, s in enumerate(at) if s < len(levels) - 1]
+        if not open_:
+            return out
+        worst = max(open_, key=lambda i: local_error(i, levels[at[i]]))
+        at[worst] += 1
+
+
+def first_passing(n: int, ok) -> int | None:
+    """Binary search for the first index in ``range(n)`` where ``ok`` holds (monotone assumption)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if lo < n and ok(lo) else None

@@ -1,0 +1,200 @@
+"""sparsify: every pattern on the seeded tiny BERT (unfused, fused, packed), refusals, the budget on MiniLM."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from graphopt import custom_ops, runtime, standins
+from graphopt.errors import UsageError
+from graphopt.metrics import compare, parse_budget
+from graphopt.registry import PassContext
+from graphopt.rewrites import _ffn
+from graphopt.rewrites.sparsify import SparsifyPass, lstsq_columns, nm_mask, sparsegpt
+
+
+def _feeds(path, n: int = 6, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for _ in range(n):
+        lens = rng.integers(3, 17, size=4)
+        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
+        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
+                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
+    names = {v.name for v in ir.load(path).graph.inputs}
+    return [{k: v for k, v in f.items() if k in names} for f in feeds]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    pytest.importorskip("torch", reason="torch is needed to export the tiny models")
+    from conftest import load_models_module
+
+    path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
+    return path, _feeds(path)
+
+
+def _ops(model: ir.Model) -> Counter:
+    return Counter(n.op_type for n in model.graph)
+
+
+def _run(model, feeds):
+    return runtime.run(runtime.make_session(standins.cpu_runnable(model)[0], threads=1), feeds)
+
+
+def _call(path, feeds, budget=None, **opts):
+    model = ir.load(path)
+    ctx = PassContext(calib_feeds=feeds[:3], feeds=feeds[3:], budget=parse_budget(budget) if budget else None)
+    return SparsifyPass(**opts)(model, ctx)
+
+
+def test_finds_ffns_unfused_and_fused(tiny):
+    from graphopt import pipeline
+
+    path, feeds = tiny
+    ffns = _ffn.find(ir.load(path))
+    assert [f.act.op_type for f in ffns] == ["Gelu", "Gelu"] and all(f.add1 is not None for f in ffns)
+    fused = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=feeds).model
+    ffns = _ffn.find(fused)
+    assert [f.act.op_type for f in ffns] == ["BiasGelu", "BiasGelu"] and all(f.add1 is None for f in ffns)
+    assert all(f.w1.shape == (64, 128) and f.w2.shape == (128, 64) and f.b1.shape == (128,) for f in ffns)
+
+
+@pytest.mark.parametrize(("pattern", "sparsity", "op", "count"), [
+    ("neurons", 0.5, "MatMul", None), ("blocks", 0.75, "BlockSparseMatMul", 4), ("2:4", 0.5, "NMSparseMatMul", 4),
+    ("unstructured", 0.5, "MatMul", None)])
+def test_explicit_pattern_does_what_it_is_told(tiny, pattern, sparsity, op, count):
+    path, feeds = tiny
+    before = ir.load(path)
+    res = _call(path, feeds, pattern=pattern, sparsity=sparsity, block_size=16)
+    assert res.modified and res.budget_met is None and res.rule_counts == {pattern: 2}
+    ops = _ops(res.model)
+    if count:
+        assert ops[op] == count and ops["MatMul"] == _ops(before)["MatMul"] - 4, ops
+        assert res.model.opset_imports[custom_ops.DOMAIN] == 1
+        assert {f.name for f in res.model.functions.values()} == {op}
+    ffns = _ffn.find(res.model)
+    if pattern == "neurons":  # two plain, narrower MatMuls per FFN
+        assert [f.width for f in ffns] == [64, 64] and all(f.b1.shape == (64,) for f in ffns)
+    if pattern == "unstructured":
+        assert all(abs(float((f.w1 == 0).mean()) - 0.5) < 0.01 for f in ffns)
+    # the cost it reports is what the model does on the held-back feeds
+    held = feeds[3:]
+    got = compare(_run(res.model, held), _run(before, held), held)
+    assert f"held-back cosine {got.worst('cosine'):.4f}" in " ".join(res.notes)
+
+
+def test_blocks_keep_the_original_weights_without_compensation(tiny):
+    path, feeds = tiny
+    w = _ffn.find(ir.load(path))[0].w1
+    res = _call(path, feeds, pattern="blocks", sparsity=0.75, block_size=16, compensate=False)
+    node = next(n for n in res.model.graph if n.op_type == "BlockSparseMatMul")
+    wb, idx = node.inputs[1].const_value.numpy(), node.inputs[2].const_value.numpy()
+    assert idx.shape == (8, 1) and wb.shape == (8, 16, 16)  # W1 64x128: 8 output block columns keep 1 of 4
+    for j in range(8):
+        k = idx[j, 0]
+        np.testing.assert_array_equal(wb[j], w[k * 16:(k + 1) * 16, j * 16:(j + 1) * 16])
+
+
+def test_compensation_recovers_quality(tiny):
+    path, feeds = tiny
+    cos = {}
+    for comp in (False, True):
+        res = _call(path, feeds, pattern="neurons", sparsity=0.5, compensate=comp)
+        cos[comp] = compare(_run(res.model, feeds[3:]), _run(ir.load(path), feeds[3:]), feeds[3:]).worst("cosine")
+    assert cos[True] > cos[False]
+
+
+def test_compensation_keeps_the_mask_and_lowers_the_error():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 32)) @ rng.standard_normal((32, 32))  # correlated inputs
+    w = rng.standard_normal((32, 16)).astype(np.float32)
+    keep = nm_mask(w, x.T @ x, "wanda")
+    assert keep.sum() == w.size // 2
+    plain = np.linalg.norm(x @ (w * keep) - x @ w)
+    seq = sparsegpt(w, keep, x.T @ x, 0.01)
+    exact = lstsq_columns(w, keep, x.T @ x, 0.01)
+    assert np.all(seq[~keep] == 0) and np.all(exact[~keep] == 0)
+    assert np.linalg.norm(x @ seq - x @ w) < 0.95 * plain
+    assert np.linalg.norm(x @ exact - x @ w) < 0.7 * plain
+    # exact: the residual of every column is orthogonal to its kept inputs (the normal equations)
+    for c in range(w.shape[1]):
+        s = np.flatnonzero(keep[:, c])
+        r = x @ exact[:, c].astype(np.float64) - x @ w[:, c]
+        assert np.abs(x[:, s].T @ r).max() < 1e-2 * np.abs(x[:, s].T @ (x @ w[:, c])).max()
+
+
+def test_budget_holds_on_held_back_feeds_or_declines(tiny):
+    path, feeds = tiny
+    res = _call(path, feeds, budget="cosine>=0.999")
+    held = feeds[3:]
+    if res.modified:
+        assert res.budget_met is True
+        got = compare(_run(res.model, held), _run(ir.load(path), held), held)
+        assert got.worst("cosine") >= 0.999
+    else:
+        assert res.budget_met is False and any(n.startswith("declined") for n in res.notes)
+    assert any("measured (pattern" in n for n in res.notes)
+
+
+def test_declines_when_nothing_fits(tiny):
+    path, feeds = tiny
+    res = _call(path, feeds, budget="max_abs<=1e-6", pattern="blocks", block_size=16)
+    assert not res.modified and res.budget_met is False
+    assert any(n.startswith("declined") for n in res.notes) and any("fails on calib" in n for n in res.notes)
+    assert _ops(res.model) == _ops(ir.load(path))
+
+
+def test_explicit_sparsity_that_breaks_a_given_budget_keeps_the_model(tiny):
+    path, feeds = tiny
+    res = _call(path, feeds, budget="cosine>=0.99999", pattern="neurons", sparsity=0.75)
+    assert not res.modified and res.budget_met is False and any("not met" in n for n in res.notes)
+
+
+def test_refusals(tiny, mlp_path):
+    path, feeds = tiny
+    res = SparsifyPass()(ir.load(mlp_path), PassContext())
+    assert not res.modified and res.notes[0].startswith("not applied: no FFN")
+    res = _call(path, feeds, pattern="blocks", block_size=128)
+    assert not res.modified and "block_size 128" in res.notes[-1]
+    for bad in ({"pattern": "diag"}, {"sparsity": 0.5}, {"pattern": "2:4", "sparsity": 0.75}, {"block_size": 12},
+                {"scores": "random"}):
+        with pytest.raises(UsageError):
+            SparsifyPass(**bad)
+
+
+def test_through_the_pipeline_after_remove_padding(tiny):
+    """Packed tokens ([N, H]): the FFNs are found after remove-padding and rewritten; stock ORT runs it."""
+    from graphopt import pipeline
+
+    path, feeds = tiny
+    result = pipeline.optimize(str(path), passes="cleanup,fuse,remove-padding,sparsify", feeds=feeds,
+                               overrides=["sparsify.pattern=blocks", "sparsify.sparsity=0.5",
+                                          "sparsify.block_size=16"], budget="cosine>=0.9")
+    rec = result.report.passes[-1]
+    assert result.ok and rec.modified, rec.error
+    assert result.report.passes[-2].name == "remove-padding" and result.report.passes[-2].modified
+    probe = result.model.clone()
+    probe.graph.outputs.append(next(n for n in probe.graph if n.op_type == "BlockSparseMatMul").inputs[0])
+    x = _run(probe, feeds[:1])[0][probe.graph.outputs[-1].name]
+    assert x.size <= (feeds[0]["attention_mask"].sum() + 1) * 64  # packed: rows are tokens, not the padded 4 x 16
+    assert rec.rule_counts == {"blocks": 2}
+    assert _ops(result.model)["BlockSparseMatMul"] == 4
+
+
+@pytest.mark.slow
+def test_minilm_budget_holds_on_held_back_data(minilm):
+    """MiniLM (fused): under cosine>=0.99 the chosen model (or the declined input) meets it on held-back feeds."""
+    from graphopt import pipeline
+
+    path = minilm("dynamo", "eager")
+    feeds = _feeds(path, n=4, seed=1)
+    result = pipeline.optimize(str(path), passes="cleanup,fuse,sparsify", feeds=feeds, budget="cosine>=0.99",
+                               keep_going=True, overrides=["sparsify.pattern=neurons"])
+    rec = result.report.passes[-1]
+    assert rec.status in ("ok", "budget-not-met"), rec.error
+    if rec.modified and rec.status == "ok":
+        assert rec.verification["cosine"] >= 0.99

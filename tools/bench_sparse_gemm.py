@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Micro-benchmark: dense MatMul vs the sparse forms ``sparsify`` emits, one GEMM ``X[M, K] @ W[K, N]``.
+
+Forms: ``blocks`` (``ai.graphopt::BlockSparseMatMul``, balanced b x b blocks), ``neurons`` (a plain MatMul
+on the kept output columns: what pruning whole FFN neurons leaves), ``2:4`` (``ai.graphopt::NMSparseMatMul``,
+50% only), ``unstructured`` (zeros in a dense MatMul: the same kernel as dense). Shapes: MiniLM's FFN
+(384x1536) and BERT-base's (768x3072); M in {1, 16, 128}. All sessions of one (shape, M) are timed
+interleaved (``graphopt.bench.bench_sessions``, spinning off, one thread); the table gives medians and
+dense/form ratios.
+
+    python tools/bench_sparse_gemm.py [--rounds 15] [--threads 1] [--block 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt import custom_ops, runtime
+from graphopt.bench import bench_sessions
+
+SHAPES = {"minilm": (384, 1536), "bert-base": (768, 3072)}
+SPARSITIES = (0.5, 0.75, 0.9)
+
+
+def _model(k: int, n_out: int, op: str, consts: dict[str, np.ndarray], attrs: dict[str, int]) -> ir.Model:
+    x = ir.Value(name="x", shape=ir.Shape(["M", k]), type=ir.TensorType(ir.DataType.FLOAT))
+    vals = [ir.Value(name=name, const_value=ir.tensor(a, name=name)) for name, a in consts.items()]
+    y = ir.Value(name="y", shape=ir.Shape(["M", n_out]), type=ir.TensorType(ir.DataType.FLOAT))
+    domain = custom_ops.DOMAIN if op != "MatMul" else ""
+    node = ir.Node(domain, op, [x, *vals], attributes=[ir.AttrInt64(a, v) for a, v in attrs.items()], outputs=[y])
+    model = ir.Model(ir.Graph([x], [y], nodes=[node], initializers=vals, opset_imports={"": 17}, name="g"),
+                     ir_version=10)
+    custom_ops.attach(model)
+    return model
+
+
+def forms(k: int, n: int, block: int, rng: np.random.Generator) -> dict[str, ir.Model]:
+    """The models compared for one weight shape."""
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    out = {"dense": _model(k, n, "MatMul", {"w": w}, {})}
+    for s in SPARSITIES:
+        kb, nb = k // block, n // block
+        keep = np.zeros((kb, nb), bool)
+        kept = max(1, round(kb * (1 - s)))
+        for j in range(nb):
+            keep[rng.choice(kb, size=kept, replace=False), j] = True
+        wb, idx = custom_ops.pack_blocks(w * np.kron(keep, np.ones((block, block), bool)), keep, block)
+        out[f"blocks {s:.0%}"] = _model(k, n, "BlockSparseMatMul", {"wb": wb, "idx": idx}, {"block_size": block})
+        cols = max(1, round(n * (1 - s)))
+        out[f"neurons {s:.0%}"] = _model(k, cols, "MatMul", {"w": np.ascontiguousarray(w[:, :cols])}, {})
+    keep = np.zeros((k // 4, 4, n), bool)
+    keep[:, :2, :] = True
+    keep = rng.permuted(keep, axis=1).reshape(k, n)
+    vals, pos = custom_ops.pack_nm(np.where(keep, w, 0), keep)
+    out["2:4 50%"] = _model(k, n, "NMSparseMatMul", {"v": vals, "p": pos}, {"n": 2, "m": 4})
+    out["unstructured 75%"] = _model(k, n, "MatMul", {"w": np.where(rng.random((k, n)) < 0.75, 0, w)
+                                                       .astype(np.float32)}, {})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--ms", default="1,16,128")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="cpu: the calling thread's CPU time (one thread: robust to other jobs on the cores)")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = []
+    for shape in args.shapes.split(","):
+        k, n = SHAPES[shape]
+        models = forms(k, n, args.block, rng)
+        sessions = {name: runtime.make_session(m, threads=args.threads, spinning=False) for name, m in models.items()}
+        for m_rows in (int(v) for v in args.ms.split(",")):
+            feeds = [{"x": rng.standard_normal((m_rows, k)).astype(np.float32)}]
+            reps = max(1, 64 // m_rows)  # small M: several runs per timed turn
+            res = bench_sessions(sessions, feeds * reps, rounds=args.rounds, warmup=2, clock=args.clock)
+            base = next(r for r in res if r.name == "dense").p50
+            print(f"\n{shape} W[{k}x{n}] M={m_rows}  (median of {args.rounds} interleaved rounds, {reps} runs each)")
+            for r in res:
+                us = r.p50 / reps * 1e6
+                print(f"  {r.name:18s} {us:9.1f} us   {base / r.p50:5.2f}x")
+                rows.append({"shape": shape, "K": k, "N": n, "M": m_rows, "form": r.name, "us": round(us, 1),
+                             "speedup": round(base / r.p50, 3)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
