@@ -132,12 +132,42 @@ def bench_models(
     ``provider='cuda'`` needs the CUDA provider (a one-line RuntimeSetupError names what is missing, no
     CPU fallback) and runs through IO bindings, after ``warmup`` untimed rounds.
     """
+    return bench_thread_counts(models, feeds, [threads], rounds=rounds, warmup=warmup, provider=provider)[threads]
+
+
+def bench_thread_counts(
+    models: Mapping[str, object],
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    thread_counts: Sequence[int],
+    *,
+    rounds: int = 20,
+    warmup: int = 2,
+    provider: str = "cpu",
+) -> dict[int, list[BenchResult]]:
+    """Bench every model at each intra-op thread count, one interleaved round-robin per thread count.
+
+    The sessions of one thread count are made, benched together (all models exposed to the same
+    phases) and released before the next count's; compare thread counts with :func:`scaling`.
+    """
     cuda = provider == "cuda"
     if cuda:
         runtime.require_cuda()
-    sessions = {
-        name: runtime.make_session(m, provider=provider, threads=threads, optimize=True, spinning=False,
-                                   strict_provider=cuda)
-        for name, m in models.items()
-    }
-    return bench_sessions(sessions, feeds, rounds=rounds, warmup=warmup, device="cuda" if cuda else None)
+    out: dict[int, list[BenchResult]] = {}
+    for threads in thread_counts:
+        sessions = {
+            name: runtime.make_session(m, provider=provider, threads=threads, optimize=True, spinning=False,
+                                       strict_provider=cuda)
+            for name, m in models.items()
+        }
+        out[threads] = bench_sessions(sessions, feeds, rounds=rounds, warmup=warmup,
+                                      device="cuda" if cuda else None)
+        del sessions
+    return out
+
+
+def scaling(results: Mapping[int, Sequence[BenchResult]]) -> dict[int, dict[str, float]]:
+    """Each model's throughput at each thread count over its throughput at the first thread count."""
+    counts = list(results)
+    first = {r.name: r.throughput for r in results[counts[0]]}
+    return {t: {r.name: r.throughput / first[r.name] if first[r.name] > 0 else float("inf") for r in results[t]}
+            for t in counts}

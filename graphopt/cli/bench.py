@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Calib, InputShape, InputValue, Json, Provider, Threads, feed_overrides
+from graphopt.cli.options import Calib, InputShape, InputValue, Json, Provider, feed_overrides
 
 
 def command(
@@ -17,7 +17,9 @@ def command(
     input_value: InputValue = None,
     batch: Annotated[int, typer.Option("--batch", help="Batch size of generated feeds (without --calib).")] = 1,
     seq: Annotated[int, typer.Option("--seq", help="Sequence length of generated feeds (without --calib).")] = 128,
-    threads: Threads = 1,
+    threads: Annotated[str, typer.Option(
+        "--threads", help="ORT intra-op threads: one count, or a comma list (1,2,4) for throughput and scaling "
+        "per count, each count interleaved on its own.")] = "1",
     rounds: Annotated[int, typer.Option("--rounds", help="Timed rounds (each runs every feed once per model).")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed rounds first.")] = 2,
     provider: Provider = "cpu",
@@ -30,18 +32,22 @@ def command(
     after --warmup untimed rounds; without a working CUDA provider it fails in one line naming what is
     missing.
 
-    Example: graphopt bench base.onnx opt.onnx --calib feeds/ --rounds 30
+    With --threads 1,2,4 every thread count gets its own sessions and its own interleaved round-robin;
+    the table adds each model's scaling (its throughput over its throughput at the first count).
+
+    Example: graphopt bench base.onnx opt.onnx --calib feeds/ --rounds 30 --threads 1,2
     """
     import json
 
     from graphopt import feeds as feeds_mod
     from graphopt import io
-    from graphopt.bench import bench_models
+    from graphopt.bench import bench_thread_counts, scaling
     from graphopt.cli.console import make_console, table
     from graphopt.errors import UsageError
 
     if rounds < 1:
         raise UsageError("--rounds must be at least 1")
+    counts = _thread_counts(threads)
     if provider == "cuda":
         from graphopt.runtime import require_cuda
 
@@ -61,16 +67,42 @@ def command(
         while key in names:
             key += "'"
         names[key] = str(m)
-    results = bench_models(names, feeds, threads=threads, rounds=rounds, warmup=warmup, provider=provider)
-    base = results[0]
-    rows = [r.as_dict(base) for r in results]
+    per_count = bench_thread_counts(names, feeds, counts, rounds=rounds, warmup=warmup, provider=provider)
+    scale = scaling(per_count)
+    rows = []
+    for n, results in per_count.items():
+        for r in results:
+            row = {**r.as_dict(results[0]), "threads": n}
+            if len(counts) > 1:
+                row["scaling"] = scale[n][r.name]
+            rows.append(row)
     if json_:
-        typer.echo(json.dumps({"feeds": feeds_mod.describe(feeds), "threads": threads, "results": rows}, indent=2))
+        typer.echo(json.dumps({"feeds": feeds_mod.describe(feeds), "threads": counts[0] if len(counts) == 1 else counts,
+                               "results": rows}, indent=2))
         return
     right = {"justify": "right", "no_wrap": True}
-    t = table(f"graphopt bench ({feeds_mod.describe(feeds)}; {threads} thread(s), interleaved)",
-              [("model", {"no_wrap": True}), ("p50 ms", right), ("p90 ms", right), ("items/s", right),
-               ("× first", right)])
+    cols = [("model", {"no_wrap": True}), ("p50 ms", right), ("p90 ms", right), ("items/s", right), ("× first", right)]
+    if len(counts) > 1:
+        cols = [("threads", right), *cols, (f"scaling vs {counts[0]}t", right)]
+    t = table(f"graphopt bench ({feeds_mod.describe(feeds)}; {','.join(map(str, counts))} thread(s), "
+              "interleaved per thread count)", cols)
     for r in rows:
-        t.add_row(r["model"], f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['items_per_s']:.1f}", f"{r['speedup_vs_first']:.3f}")
+        cells = [r["model"], f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['items_per_s']:.1f}",
+                 f"{r['speedup_vs_first']:.3f}"]
+        if len(counts) > 1:
+            cells = [str(r["threads"]), *cells, f"{r['scaling']:.2f}x"]
+        t.add_row(*cells)
     make_console().print(t)
+
+
+def _thread_counts(text: str) -> list[int]:
+    """``"1,2,4"`` → ``[1, 2, 4]``: positive, distinct, in the given order."""
+    from graphopt.errors import UsageError
+
+    try:
+        counts = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--threads: expected a count or a comma list of counts (1,2,4), got {text!r}") from None
+    if any(c < 1 for c in counts) or len(set(counts)) != len(counts):
+        raise UsageError(f"--threads: counts must be distinct and at least 1, got {text!r}")
+    return counts
