@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 #: the modules of ``graphopt.rewrites`` that define the builtin passes (one ``register`` call each)
 BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "convert_precision",
-                                    "prune_heads", "early_exit", "sparsify", "contextual_sparsity")
+                                    "prune_heads", "early_exit", "sparsify", "contextual_sparsity", "cut_positions")
 
 Feed = Mapping[str, np.ndarray]
 
