@@ -12,7 +12,7 @@ as a one-position ``Slice``:
 Ops it moves the read through (each only when every consumer of its output is itself moved, so no work
 is duplicated): elementwise unary and binary ops (an operand broadcast on the sliced axis is used
 whole), ``Where``, ``LayerNormalization`` / ``Softmax`` over other axes, ``MatMul`` (rows of the left
-operand; columns of the right), ``Transpose``. Elsewhere it inserts the ``Slice`` (keys and values stay
+operand; columns of the right), ``Transpose``, ``Reshape`` keeping the axes up to the sliced one. Elsewhere it inserts the ``Slice`` (keys and values stay
 whole). Every cut is exact: the same arithmetic on fewer rows.
 
 Option ``last_token_logits=true`` (changes the output contract, so off by default): a causal LM's output
@@ -96,6 +96,7 @@ class _Cut:
         self.model, self.read = model, read
         self.want: dict[ir.Value, int] = {read.value: read.axis}
         self.moved: dict[ir.Node, dict[ir.Value, int]] = {}  # node -> wanted axis per sliced input
+        self.new_shape: dict[ir.Node, np.ndarray] = {}  # moved Reshapes: their shape input, leading axes copied
 
     def _input_axes(self, node: ir.Node, axis: int) -> dict[ir.Value, int] | None:
         out = node.outputs[0]
@@ -127,6 +128,17 @@ class _Cut:
         if op == "Transpose":
             perm = node.attributes.get_ints("perm", None)
             return {node.inputs[0]: list(perm)[axis]} if perm is not None else None
+        if op == "Reshape":
+            x = node.inputs[0]
+            if x is None or x.shape is None or len(x.shape) <= axis:
+                return None
+            keep, rest = list(out.shape)[: axis + 1], list(out.shape)[axis + 1:]
+            if [str(d) for d in keep] != [str(d) for d in list(x.shape)[: axis + 1]] or "None" in map(str, keep) \
+                    or not all(isinstance(d, int) for d in rest):
+                return None
+            # leading axes are copied (0), the rest is static: exact on the sliced input
+            self.new_shape[node] = np.array([0] * (axis + 1) + rest, np.int64)
+            return {x: axis}
         if op == "MatMul":
             a, b = node.inputs
             ra, rb = _rank(a), _rank(b)
@@ -196,6 +208,10 @@ class _Cut:
             for i, x in enumerate(node.inputs):
                 if x in axes:
                     node.replace_input_with(i, sliced[x] if x in sliced else frontier(x, axes[x]))
+            if node in self.new_shape:
+                node.replace_input_with(1, const(self.new_shape[node], f"{base}_shape{made}"))
+                # 0 copies the input's dim (a zero-size dim copies as 0: the same as allowzero=1 did)
+                node.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
             out = node.outputs[0]
             sliced[out] = out  # computed on the read positions only, in place
             out.shape = None
