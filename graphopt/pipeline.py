@@ -48,6 +48,20 @@ class Result:
         return self.report.ok
 
 
+def _slice_outputs(outs, sliced: Mapping[str, tuple[str, int, int]]):
+    """Reference outputs under a pass's explicit output-contract change (``PassResult.sliced_outputs``)."""
+    if not sliced or outs is None:
+        return outs
+    res = []
+    for o in outs:
+        o = dict(o)
+        for new, (old, axis, pos) in sliced.items():
+            a = np.asarray(o.pop(old))
+            o[new] = np.take(a, [pos], axis=axis)
+        res.append(o)
+    return res
+
+
 def _node_ids(model: ir.Model) -> provenance.Snapshot:
     """The nodes before a pass (``id(node) in`` it), for :func:`_tag_new_nodes`."""
     return provenance.snapshot(model)
@@ -193,13 +207,15 @@ def optimize(
             if candidate is work:
                 _tag_new_nodes(candidate, before_ids, p.name)
             tv = time.perf_counter()
+            sliced = result.sliced_outputs if result is not None else {}
+            step_prev = _slice_outputs(prev_out, sliced)
             if p.exact:
-                verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=prev_out,
+                verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=step_prev,
                                  atol=p.atol, rtol=p.rtol, provider="cpu", where=f"after pass {p.name!r}")
             else:
                 # the budget is confirmed on the feeds held back from calibration
                 verdict = verify(candidate, level=verify_level, feeds=check_feeds,
-                                 reference=None if reference is None else reference[held_from:],
+                                 reference=None if reference is None else _slice_outputs(reference, sliced)[held_from:],
                                  budget=step_budget, provider="cpu", where=f"after pass {p.name!r}")
                 if verdict.ok and verdict.outputs is not None and held_from:
                     verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
@@ -210,6 +226,7 @@ def optimize(
                 rec.notes.append(standins.note(verdict.stand_ins))
             if verdict.ok:
                 good = candidate
+                prev_out, reference = step_prev, _slice_outputs(reference, sliced)
                 if verdict.outputs is not None:
                     prev_out = verdict.outputs
             else:

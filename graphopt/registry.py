@@ -77,6 +77,10 @@ class PassResult(ir.passes.PassResult):
     rule_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     #: lossy passes: False when no model they could make met the budget (they then keep the input)
     budget_met: bool | None = None
+    #: an explicit output-contract change (a pass option the user asked for): new output name ->
+    #: (old output name, axis, position); the pipeline verifies the new output against that one-position
+    #: slice of the old output's reference (kept as a length-1 axis)
+    sliced_outputs: dict[str, tuple[str, int, int]] = dataclasses.field(default_factory=dict)
 
 
 class GraphoptPass(ir.passes.InPlacePass):

@@ -156,6 +156,31 @@ class _Cut:
             return res if a is not b else None
         return None
 
+    def _flat_gemm(self, unflat: ir.Node, axis: int) -> bool:
+        """``Reshape([B, S, K] → [B*S, K]) → Gemm → Reshape(→ [B, S, N])`` (GPT-2's Conv1D export) as one
+        row-wise op: cut on the sequence axis by giving both Reshapes shapes that keep one position."""
+        if unflat.op_type != "Reshape" or axis != 1 or _rank(unflat.outputs[0]) != 3:
+            return False
+        gemm = unflat.inputs[0].producer() if unflat.inputs[0] is not None else None
+        if gemm is None or gemm.op_type != "Gemm" or gemm.attributes.get_int("transA", 0) or len(gemm.inputs[0].uses()) != 1 \
+                or len(gemm.outputs[0].uses()) != 1:
+            return False
+        if len(gemm.inputs) > 2 and gemm.inputs[2] is not None and (_rank(gemm.inputs[2]) or 0) > 1:
+            return False  # a per-row C would need slicing too
+        flat = gemm.inputs[0].producer()
+        if flat is None or flat.op_type != "Reshape" or flat.inputs[0] is None or _rank(flat.inputs[0]) != 3:
+            return False
+        x, out = flat.inputs[0], unflat.outputs[0]
+        k, n = x.shape[2], out.shape[2]
+        if not isinstance(k, int) or not isinstance(n, int) or str(x.shape[0]) != str(out.shape[0]) \
+                or str(x.shape[1]) != str(out.shape[1]) or str(x.shape[0]) == "None" or x in self.want:
+            return False
+        self.moved[unflat], self.moved[gemm], self.moved[flat] = {}, {}, {x: 1}
+        self.new_shape[unflat] = np.array([-1, 1, n], np.int64)
+        self.new_shape[flat] = np.array([-1, k], np.int64)
+        self.want[x] = 1
+        return True
+
     def plan(self) -> None:
         graph = self.model.graph
         outputs = set(graph.outputs)
@@ -163,9 +188,11 @@ class _Cut:
             if node is self.read.node or len(node.outputs) != 1:
                 continue
             out = node.outputs[0]
-            if out not in self.want or out in outputs:
+            if node in self.moved or out not in self.want or out in outputs:
                 continue
             if any(u.node is not self.read.node and u.node not in self.moved for u in out.uses()):
+                continue
+            if self._flat_gemm(node, self.want[out]):
                 continue
             axes = self._input_axes(node, self.want[out])
             if axes is None or any(x in self.want and self.want[x] != d for x, d in axes.items()):
@@ -251,11 +278,14 @@ class CutPositions(GraphoptPass):
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         graph = model.graph
         notes: list[str] = []
+        sliced: dict[str, tuple[str, int, int]] = {}
         if self.last_token_logits:
-            err = _add_last_token_output(model, self.output)
+            got, err = _add_last_token_output(model, self.output)
             if err:
                 return PassResult(model, False, notes=[f"not applied: {err}"])
-            notes.append("last_token_logits: the output contract changed (see the output's _last name)")
+            sliced[f"{got}_last"] = (got, 1, -1)
+            notes.append(f"last_token_logits: output {got!r} [batch, sequence, vocab] replaced by {got}_last "
+                         "[batch, 1, vocab] (its last position)")
         total, cuts = 0, 0
         for node in list(graph):
             if node.op_type not in ("Gather", "Slice"):
@@ -276,18 +306,19 @@ class CutPositions(GraphoptPass):
         if not cuts:
             notes.append("not applied: no one-position Gather/Slice reads a position-wise computation "
                          "(the outputs use every position, e.g. mean pooling)")
-        if not cuts:
-            return PassResult(model, self.last_token_logits, notes=notes)
-        return PassResult(model, True, notes=notes, rule_counts={"position-read": cuts, "ops-cut": total})
+            return PassResult(model, self.last_token_logits, notes=notes, sliced_outputs=sliced)
+        return PassResult(model, True, notes=notes, rule_counts={"position-read": cuts, "ops-cut": total},
+                          sliced_outputs=sliced)
 
 
-def _add_last_token_output(model: ir.Model, name: str) -> str | None:
-    """Replace a ``[B, S, V]`` output (``name``, or the only output) by its last position, ``<name>_last``."""
+def _add_last_token_output(model: ir.Model, name: str) -> tuple[str, str]:
+    """Replace a ``[B, S, V]`` output (``name``, or the only one) by its last position, ``<name>_last``;
+    returns (the output's name, "") or ("", why not)."""
     graph = model.graph
     outs = [o for o in graph.outputs if (o.name == name if name else True)]
     outs = [o for o in outs if o.shape is not None and len(o.shape) == 3]
     if len(outs) != 1:
-        return f"last_token_logits needs one [batch, sequence, vocab] output{f' named {name}' if name else ''}"
+        return "", f"last_token_logits needs one [batch, sequence, vocab] output{f' named {name}' if name else ''}"
     out = outs[0]
     i = list(graph.outputs).index(out)
     vals = []
@@ -304,7 +335,7 @@ def _add_last_token_output(model: ir.Model, name: str) -> str | None:
     new.shape = ir.Shape([out.shape[0], 1, out.shape[2]])
     graph.append(node)
     graph.outputs[i] = new
-    return None
+    return out.name, ""
 
 
 register(CutPositions)
