@@ -11,7 +11,7 @@ as a one-position ``Slice``:
 
 Ops it moves the read through (each only when every consumer of its output is itself moved, so no work
 is duplicated): elementwise unary and binary ops (an operand broadcast on the sliced axis is used
-whole), ``Where``, ``LayerNormalization`` / ``Softmax`` over other axes, ``MatMul`` (rows of the left
+whole), ``Where``, ``LayerNormalization`` / ``Softmax`` / reductions (keepdims) over other axes, ``MatMul`` (rows of the left
 operand; columns of the right), ``Transpose``, ``Reshape`` keeping the axes up to the sliced one. Elsewhere it inserts the ``Slice`` (keys and values stay
 whole). Every cut is exact: the same arithmetic on fewer rows.
 
@@ -122,6 +122,15 @@ class _Cut:
         if op == "LayerNormalization":
             a = node.attributes.get_int("axis", -1) % r
             return {node.inputs[0]: axis} if axis < a and len(node.outputs) == 1 else None
+        if op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2"):
+            x = node.inputs[0]
+            rx = _rank(x)
+            axes = _const(node.inputs[1]) if len(node.inputs) > 1 else None
+            if axes is None:
+                axes = node.attributes.get_ints("axes", None)
+            if rx is None or axes is None or rx != r or not node.attributes.get_int("keepdims", 1):
+                return None
+            return {x: axis} if axis not in {int(a) % rx for a in np.asarray(axes).reshape(-1)} else None
         if op == "Softmax":
             a = node.attributes.get_int("axis", -1) % r
             return {node.inputs[0]: axis} if axis != a else None
