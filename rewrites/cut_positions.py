@@ -16,7 +16,9 @@ operand; columns of the right), ``Transpose``, ``Reshape`` keeping the axes up t
 whole). Every cut is exact: the same arithmetic on fewer rows.
 
 Option ``last_token_logits=true`` (changes the output contract, so off by default): a causal LM's output
-``NAME[B, S, V]`` is replaced by ``NAME_last[B, 1, V]`` (its last position), and the cut applies to it.
+``NAME[B, S, V]`` is replaced by ``NAME_last[B, 1, V]`` (its last position), and the cut applies to it;
+``output=NAME`` picks the output when several are ``[B, S, V]``. The result's ``sliced_outputs`` tells
+the pipeline to verify ``NAME_last`` against the last position of ``NAME``'s reference.
 
 Refuses (graph unchanged, reason in the notes) when no one-position ``Gather`` / ``Slice`` (constant
 index, input of rank >= 3, that input read nowhere else) follows a position-wise op: for example mean
@@ -281,6 +283,8 @@ class CutPositions(GraphoptPass):
         super().__init__()
         if not isinstance(last_token_logits, bool):
             raise UsageError(f"cut-positions.last_token_logits must be true or false, got {last_token_logits!r}")
+        if output and not last_token_logits:
+            raise UsageError("cut-positions.output names the output for last_token_logits=true; set both")
         self.last_token_logits = last_token_logits
         self.output = output
 

@@ -112,6 +112,8 @@ def test_last_token_logits_without_a_sequence_output_is_refused():
 def test_bad_option():
     with pytest.raises(UsageError, match="last_token_logits"):
         CutPositions(last_token_logits="yes")
+    with pytest.raises(UsageError, match="output"):
+        CutPositions(output="logits")
 
 
 @pytest.mark.parametrize("name", ["minilm-sentiment-dynamo-sdpa.onnx"])
