@@ -586,3 +586,16 @@ def _session_runner(model: ir.Model):
         raise RuntimeSetupError(f"cannot run the model on CPU: {e}") from None
     sess = runtime.make_session(run_as, provider="cpu", optimize=False)
     return lambda feeds: runtime.run(sess, feeds)
+
+
+def calibration_feeds(model: ir.Model, calib_feeds: Sequence[Feed], held_feeds: Sequence[Feed],
+                      purpose: str = "calibrating") -> tuple[list[Feed], list[Feed], str | None]:
+    """The feeds a lossy pass calibrates on and the ones it confirms on (a pass's ``ctx.calib_feeds``
+    and ``ctx.feeds``), each falling back to the other; generated from ``model`` when none were
+    given, with a note saying so (else None)."""
+    calib = list(calib_feeds) or list(held_feeds)
+    held = list(held_feeds) or calib
+    if calib:
+        return calib, held, None
+    calib = held = generate(model)
+    return calib, held, f"no feeds given: {purpose} on generated feeds (give --calib for real data)"

@@ -35,6 +35,7 @@ import onnx_ir as ir
 
 from graphopt import runtime, standins
 from graphopt.errors import UsageError
+from graphopt.feeds import calibration_feeds
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
 from graphopt.opsets import node_domain
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
@@ -225,13 +226,9 @@ class _Run:
         if not self.ffns:
             self.note("not applied: no FFN block (MatMul → Gelu/BiasGelu/FastGelu → MatMul with constant weights)")
             return PassResult(model, False, notes=self.notes)
-        self.calib = list(ctx.calib_feeds) or list(ctx.feeds)
-        self.held = list(ctx.feeds) or self.calib
-        if not self.calib:
-            from graphopt import feeds as feeds_mod
-
-            self.calib = self.held = feeds_mod.generate(model)
-            self.note("no feeds given: calibrating on generated feeds (give --calib for real data)")
+        self.calib, self.held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds)
+        if fed:
+            self.note(fed)
         self.stats = _ffn.collect(model, self.ffns, self.calib)
         if any(self.stats.get(f.x.name) is None or self.stats[f.x.name].xtx is None for f in self.ffns):
             self.note("not applied: no calibration activations for the FFN inputs")

@@ -51,7 +51,7 @@ import onnx_ir as ir
 
 from graphopt import runtime, standins
 from graphopt.errors import UsageError
-from graphopt.feeds import split_feeds
+from graphopt.feeds import calibration_feeds, split_feeds
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
 from graphopt.opsets import MS_DOMAIN
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
@@ -182,13 +182,9 @@ class QuantizePass(GraphoptPass):
         if not budget:
             note(f"no budget given: using the default {DEFAULT_BUDGET}")
             budget = parse_budget(DEFAULT_BUDGET)
-        calib = list(ctx.calib_feeds) or list(ctx.feeds)
-        held = list(ctx.feeds) or calib
-        if not calib:
-            from graphopt import feeds as feeds_mod
-
-            calib = held = feeds_mod.generate(model)
-            note("no feeds given: calibrating on generated feeds (give --calib for real data)")
+        calib, held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds)
+        if fed:
+            note(fed)
         targets = qdq.find_targets(model, embeddings=self.embeddings)
         if not targets:
             note("nothing to quantize (no MatMul/Attention with constant weights)")

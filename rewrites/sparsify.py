@@ -44,6 +44,7 @@ import onnx_ir as ir
 
 from graphopt import custom_ops, runtime, standins
 from graphopt.errors import UsageError
+from graphopt.feeds import calibration_feeds
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.rewrites import _ffn
@@ -421,13 +422,9 @@ class _Run:
         if "2:4" in patterns and any(f.hidden % 4 or f.width % 4 for f in self.ffns):
             self.note("not applied: FFN shapes not divisible by 4")
             return PassResult(model, False, notes=self.notes)
-        self.calib = list(ctx.calib_feeds) or list(ctx.feeds)
-        self.held = list(ctx.feeds) or self.calib
-        if not self.calib:
-            from graphopt import feeds as feeds_mod
-
-            self.calib = self.held = feeds_mod.generate(model)
-            self.note("no feeds given: calibrating on generated feeds (give --calib for real data)")
+        self.calib, self.held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds)
+        if fed:
+            self.note(fed)
         self.stats = _ffn.collect(model, self.ffns, self.calib)
         missing = [f.key for f in self.ffns if self.stats.get(f.x.name) is None or self.stats.get(f.a.name) is None
                    or self.stats[f.x.name].xtx is None or self.stats[f.a.name].xtx is None]

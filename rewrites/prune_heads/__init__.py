@@ -44,6 +44,7 @@ import onnx_ir as ir
 
 from graphopt import standins
 from graphopt.errors import UsageError
+from graphopt.feeds import calibration_feeds
 from graphopt.metrics import Budget, BudgetTerm, Comparison, compare, find_mask, parse_budget
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.rewrites.prune_heads import layers as layers_mod
@@ -97,13 +98,9 @@ class PruneHeadsPass(GraphoptPass):
         if self.budget_share < 1.0:
             budget = share(budget, self.budget_share)
             notes.append(f"budget_share {self.budget_share:g}: searching under {budget}")
-        calib = list(ctx.calib_feeds) or list(ctx.feeds)
-        held = list(ctx.feeds) or calib
-        if not calib:
-            from graphopt import feeds as feeds_mod
-
-            calib = held = feeds_mod.generate(model)
-            notes.append("no feeds given: ranking on generated feeds (give --calib for real data)")
+        calib, held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds, "ranking")
+        if fed:
+            notes.append(fed)
         run = _Run(self, model, layers, budget, calib, held, notes)
         return run.go()
 
