@@ -3,7 +3,9 @@
 Works on fused attention (``fuse``: com.microsoft ``Attention`` with a packed QKV weight, or
 ``MultiHeadAttention`` fed by separate Q/K/V MatMuls), also after ``remove-padding`` (every
 length-group copy of a layer changes together) and with ``--provider cuda``'s
-``PackedMultiHeadAttention``. See ``layers.py`` for the matched subgraph::
+``PackedMultiHeadAttention``; and on unfused attention (all four MiniLM exports: TorchScript/dynamo,
+eager/sdpa; ``unfused.py``: Q/K/V MatMuls + bias Adds, head-split Reshapes, MatMul/Softmax/MatMul, head
+merge). See ``layers.py`` for the fused subgraph::
 
     x --[W_q|W_k|W_v]--> Attention/MHA (num_heads n) --ctx [.., n*d]--> MatMul(W_o) --> +bias, residual
 
@@ -25,10 +27,13 @@ length-group copy of a layer changes together) and with ``--provider cuda``'s
    feeds (fewer heads while it fails there). ``budget_share=S`` spends only ``S`` of the budget's slack
    (``cosine>=0.99`` at 0.5 is ``cosine>=0.995``), leaving the rest to a later lossy pass (quantize).
 4. Physical removal: the kept heads' Q/K/V columns and W_o rows are sliced, ``num_heads`` (and
-   ``qkv_hidden_sizes``) set, constant Reshapes on the context path ``[..., H]`` rewritten.
+   ``qkv_hidden_sizes``) set, constant Reshapes on the context path ``[..., H]`` rewritten; unfused: the
+   three projection MatMuls and bias Adds sliced, constant Reshape shapes with ``n`` / ``H`` rewritten
+   (``-1`` and computed entries, as the exporters write them, need nothing).
 
-Refuses (model unchanged, the reason in the notes): no fused attention (unfused graphs: run ``fuse``
-first), quantized attention (run prune-heads before quantize), causal/rotary/past-state attention,
+Refuses (model unchanged, the reason in the notes): no attention (fused or MatMul/Softmax/MatMul with
+constant projections), an unfused Reshape that computes its shape with a constant head count or width
+(Concat of computed dims and ``[n, d]``), quantized attention (run prune-heads before quantize), causal/rotary/past-state attention,
 packed QKV inputs, a context that reaches anything but an output projection through
 Reshape/Concat/Gather/Squeeze, projections without constant weights.
 """

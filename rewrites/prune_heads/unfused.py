@@ -40,9 +40,23 @@ def _entries(shape_value: ir.Value) -> list[int | None] | None:
             out.extend([None] * v.shape[0])
         elif _is_scalar_unsqueezed(v):
             out.append(None)
+        elif _slice_length(v) is not None:
+            out.extend([None] * _slice_length(v))
         else:
             return None
     return out
+
+
+def _slice_length(v: ir.Value) -> int | None:
+    """Length of ``Slice(Shape(x), [a], [b])`` with constant ``0 <= a <= b`` (the computed leading dims)."""
+    p = v.producer()
+    if p is None or p.op_type != "Slice" or len(p.inputs) != 3 or p.inputs[0].producer() is None \
+            or p.inputs[0].producer().op_type != "Shape":
+        return None
+    a, b = _const(p.inputs[1]), _const(p.inputs[2])
+    if a is None or b is None or a.size != 1 or b.size != 1 or not 0 <= int(a[0]) <= int(b[0]) < 2 ** 31:
+        return None
+    return int(b[0]) - int(a[0])
 
 
 def _is_scalar_unsqueezed(v: ir.Value) -> bool:
