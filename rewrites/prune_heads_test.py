@@ -351,3 +351,18 @@ def test_minilm_unfused_exports_exact(export):
     if not src.exists():
         pytest.fail(f"{src} missing: run models/minilm.py")
     _check_exact(ir.load(src), ir.load(src), _minilm_feeds(), 9)
+
+
+def test_iterative_reranking():
+    """iterative=N: the first round is the ablation ranking (same first head without compensation); later
+    rounds re-rank on top of the chosen heads and keep min_heads per layer."""
+    def removed(**opts) -> dict[int, list[int]]:
+        res = registry.create("prune-heads", {"compensate": False, **opts})(_encoder("attention"), _ctx())
+        assert res.modified, res.notes
+        return _removed(res.notes)
+
+    assert removed(heads=1, iterative=1) == removed(heads=1)
+    most = removed(heads=2 * (NH - 1), iterative=2)
+    assert {i: len(h) for i, h in most.items()} == {i: NH - 1 for i in range(LAYERS)}
+    with pytest.raises(UsageError):
+        registry.create("prune-heads", {"iterative": 2, "importance": "local"})
