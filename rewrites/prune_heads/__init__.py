@@ -16,8 +16,9 @@ merge). See ``layers.py`` for the fused subgraph::
    the head's share of its layer's projected output energy ``|ctx_h W_o,h|^2 / |ctx W_o|^2`` (the
    change of the residual stream, downstream layers taken as linear); ``random`` (``seed``) for
    comparisons. Heads are ranked globally; each layer keeps ``min_heads``. ``iterative=N`` (ablation
-   only; off by default for its cost: on MiniLM it raised the compensated cosine by 0.005 at 25/37.5% and
-   the worst token by 0.14, for 6x the ranking time, docs/benchmarks.md) re-ranks after every N removed
+   only; off by default: on MiniLM most of its gain came from ranking with compensation, which one round
+   with N >= the heads removed also gives; re-ranking itself helped only at 37.5%, for 4.5x the ranking
+   time, docs/benchmarks.md) re-ranks after every N removed
    heads, ablating each remaining head on top of those already chosen (compensated when compensation is
    on).
 2. Compensation (``compensate=true``): each pruned layer's output projection and bias are re-fit by
