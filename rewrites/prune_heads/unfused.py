@@ -165,6 +165,9 @@ def find_layers(model: ir.Model) -> list[Layer]:
         hidden = int(_const(out.inputs[1]).shape[0])
         projs = _projections(mm, where)
         region = _region(projs, out)
+        if any(v.is_graph_output() for v in region):
+            raise Refusal(f"{where}: a value between its Q/K/V projections and the output projection is a graph "
+                          "output (key/value cache?): not pruned")
         ids = {id(v) for v in region}
         split = [u for v in region for u, i in v.uses() if u.op_type == "Reshape" and i == 0]
         split = [r for k, r in enumerate(split) if r not in split[:k] and r not in merge]
