@@ -188,7 +188,7 @@ def test_refusals_leave_the_graph_unchanged():
 
     mlp = ir.serde.deserialize_model(make_mlp())
     res = registry.create("prune-heads", {})(mlp, PassContext())
-    assert not res.modified and "run `fuse` first" in res.notes[0]
+    assert not res.modified and "no attention found" in res.notes[0], res.notes
 
 
 def test_budget_share_and_the_prune_int8_recipe():
@@ -222,3 +222,147 @@ def test_minilm_fused_and_padding_removed():
     rec = res.report.passes[-1]
     assert rec.status == "ok" and rec.rule_counts["prune-heads-removed"] == 18, (rec.status, rec.error, rec.notes)
     assert any("+7 copies" in n for n in rec.notes), rec.notes
+
+
+def _unfused(shapes: str = "constant") -> ir.Model:
+    """Embedding Gather, then per layer MatMul/Softmax/MatMul attention as the exporters write it (Q/K/V
+    MatMul + bias Add, head-split Reshape, Transpose, scaled scores + mask, Softmax, head merge) and
+    LayerNormalization. ``shapes``: ``constant`` Reshape shapes [0, 0, NH, d] / [0, 0, H] (rewritten by
+    the pass), ``computed``: the split shape Concat(Shape(x)[:2], [NH, d]) (refused)."""
+    rng = np.random.default_rng(5)
+    inits = []
+    d = H // NH
+
+    def c(name, array):
+        inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def w(name, *shape, scale=0.4):
+        return c(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    nodes = [
+        helper.make_node("Gather", [w("word", VOCAB, H), "input_ids"], ["x0"]),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", [c("one", np.float32(1)), "maskf"], ["inv"]),
+        helper.make_node("Mul", ["inv", c("neg", np.float32(-1e4))], ["bias2"]),
+        helper.make_node("Unsqueeze", ["bias2", c("axes12", np.array([1, 2], np.int64))], ["maskbias"]),
+        helper.make_node("Shape", ["x0"], ["xshape"]),
+        helper.make_node("Slice", ["xshape", c("start0", np.array([0], np.int64)), c("end2", np.array([2], np.int64))],
+                         ["bs"]),
+        helper.make_node("Concat", ["bs", c("nd", np.array([NH, d], np.int64))], ["split_computed"], axis=0),
+    ]
+    split = "split_computed" if shapes == "computed" else c("split", np.array([0, 0, NH, d], np.int64))
+    merge = c("merge", np.array([0, 0, H], np.int64))
+    x = "x0"
+    for i in range(LAYERS):
+        for p, perm in (("q", (0, 2, 1, 3)), ("k", (0, 2, 3, 1)), ("v", (0, 2, 1, 3))):
+            nodes += [helper.make_node("MatMul", [x, w(f"W{p}{i}", H, H)], [f"{p}m{i}"]),
+                      helper.make_node("Add", [f"{p}m{i}", w(f"b{p}{i}", H)], [f"{p}a{i}"]),
+                      helper.make_node("Reshape", [f"{p}a{i}", split], [f"{p}r{i}"]),
+                      helper.make_node("Transpose", [f"{p}r{i}"], [f"{p}{i}"], perm=perm)]
+        nodes += [
+            helper.make_node("MatMul", [f"q{i}", f"k{i}"], [f"s{i}"]),
+            helper.make_node("Mul", [f"s{i}", c(f"scale{i}", np.float32(d ** -0.5))], [f"ss{i}"]),
+            helper.make_node("Add", [f"ss{i}", "maskbias"], [f"sm{i}"]),
+            helper.make_node("Softmax", [f"sm{i}"], [f"p{i}"], axis=-1),
+            helper.make_node("MatMul", [f"p{i}", f"v{i}"], [f"pv{i}"]),
+            helper.make_node("Transpose", [f"pv{i}"], [f"pvt{i}"], perm=(0, 2, 1, 3)),
+            helper.make_node("Reshape", [f"pvt{i}", merge], [f"ctx{i}"]),
+            helper.make_node("MatMul", [f"ctx{i}", w(f"Wo{i}", H, H)], [f"om{i}"]),
+            helper.make_node("Add", [f"om{i}", w(f"bo{i}", H)], [f"ob{i}"]),
+            helper.make_node("Add", [f"ob{i}", x], [f"res{i}"]),
+            helper.make_node("LayerNormalization", [f"res{i}", w(f"g{i}", H), w(f"b{i}", H)], [f"x{i + 1}"],
+                             axis=-1, epsilon=1e-5),
+        ]
+        x = f"x{i + 1}"
+    nodes.append(helper.make_node("Identity", [x], ["last_hidden_state"]))
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
+              for n in ("input_ids", "attention_mask", "token_type_ids")]
+    out = helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "seq", H])
+    graph = helper.make_graph(nodes, "unfused", inputs, [out], initializer=inits)
+    return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                        ir_version=9))
+
+
+def _zeroed_layers(model: ir.Model, removed: dict[int, list[int]]) -> ir.Model:
+    """``model`` with the ``removed`` heads' context zeroed before each layer's output projection."""
+    from graphopt.rewrites.prune_heads import layers
+
+    for i, la in enumerate(layers.find_layers(model)):
+        mask = np.ones(la.hidden, np.float32)
+        for h in removed.get(i, []):
+            mask[h * la.head_size:(h + 1) * la.head_size] = 0
+        c = ir.Value(name=f"zero_mask{i}", const_value=ir.tensor(mask, name=f"zero_mask{i}"),
+                     type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([la.hidden]))
+        model.graph.register_initializer(c)
+        mul = ir.node("Mul", [la.out_matmul.inputs[0], c])
+        model.graph.insert_before(la.out_matmul, mul)
+        la.out_matmul.replace_input_with(0, mul.outputs[0])
+    return model
+
+
+def _check_exact(model: ir.Model, fresh: ir.Model, feeds, heads: int) -> dict[int, list[int]]:
+    result = registry.create("prune-heads", {"heads": heads, "compensate": False, "importance": "local"})(
+        model, PassContext(feeds=feeds, calib_feeds=feeds))
+    assert result.modified and result.rule_counts["prune-heads-removed"] == heads, result.notes
+    removed = _removed(result.notes)
+    ref = run(make_session(_zeroed_layers(fresh, removed), optimize=False), feeds)
+    got = run(make_session(model, optimize=False), feeds)
+    c = compare(got, ref, feeds, atol=1e-4, rtol=1e-4)
+    assert c.worst("max_abs") <= 1e-4, c.summary()
+    return removed
+
+
+def test_unfused_removed_heads_equal_zeroed_context():
+    """Unfused attention: Q/K/V MatMuls, biases and W_o sliced, constant [0, 0, NH, d] / [0, 0, H] shapes
+    rewritten; equal to the input with those heads' context zeroed."""
+    model = _unfused()
+    removed = _check_exact(model, _unfused(), HELD, 3)
+    shapes = [ir.convenience.get_const_tensor(n.inputs[1]).numpy().tolist() for n in model.graph
+              if n.op_type == "Reshape"]
+    d = H // NH
+    assert {tuple(s) for s in shapes} == {(0, 0, NH - len(removed.get(i, [])), d) for i in range(LAYERS)} | {
+        (0, 0, (NH - len(removed.get(i, []))) * d) for i in range(LAYERS)}
+
+
+def test_unfused_computed_head_count_is_refused():
+    model = _unfused("computed")
+    before = ir.serde.serialize_model(model).SerializeToString()
+    res = registry.create("prune-heads", {"heads": 1})(model, _ctx())
+    assert not res.modified and "computes its shape with the head count 4" in res.notes[0], res.notes
+    assert ir.serde.serialize_model(model).SerializeToString() == before
+
+
+def _minilm_feeds() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(2):
+        m = (np.arange(16)[None, :] < rng.integers(5, 16, 3)[:, None]).astype(np.int64)
+        out.append({"input_ids": rng.integers(1000, 20000, (3, 16)).astype(np.int64) * m, "attention_mask": m,
+                    "token_type_ids": np.zeros((3, 16), np.int64)})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("export", ["dynamo-sdpa", "dynamo-eager", "torchscript-sdpa", "torchscript-eager"])
+def test_minilm_unfused_exports_exact(export):
+    """Every MiniLM export, unfused: 9 heads removed == the export with their context zeroed."""
+    src = MODELS / f"minilm-{export}.onnx"
+    if not src.exists():
+        pytest.fail(f"{src} missing: run models/minilm.py")
+    _check_exact(ir.load(src), ir.load(src), _minilm_feeds(), 9)
+
+
+def test_iterative_reranking():
+    """iterative=N: the first round is the ablation ranking (same first head without compensation); later
+    rounds re-rank on top of the chosen heads and keep min_heads per layer."""
+    def removed(**opts) -> dict[int, list[int]]:
+        res = registry.create("prune-heads", {"compensate": False, **opts})(_encoder("attention"), _ctx())
+        assert res.modified, res.notes
+        return _removed(res.notes)
+
+    assert removed(heads=1, iterative=1) == removed(heads=1)
+    most = removed(heads=2 * (NH - 1), iterative=2)
+    assert {i: len(h) for i, h in most.items()} == {i: NH - 1 for i in range(LAYERS)}
+    with pytest.raises(UsageError):
+        registry.create("prune-heads", {"iterative": 2, "importance": "local"})

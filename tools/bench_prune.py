@@ -18,6 +18,7 @@ the ``int8`` recipe against ``prune-int8`` instead.
 Usage::
 
     python tools/bench_prune.py quality --model M.onnx --calib DIR [--ratios 0.125,0.25,0.375] [--seeds 3]
+                                        [--iterative N]
     python tools/bench_prune.py speed --model M.onnx --calib DIR --work DIR [--budget cosine>=0.98]
                                       [--recipe int8] [--threads 1] [--rounds 20] [--clock cpu|wall]
                                       [--save-dir DIR] [--json out.json]
@@ -76,6 +77,13 @@ def quality(args) -> dict:
     t0 = time.perf_counter()
     orders["ablation"] = run.order(run.importance())
     t_abl = time.perf_counter() - t0
+    if args.iterative:
+        kmax = max(int(round(float(r) * total)) for r in args.ratios.split(","))
+        t0 = time.perf_counter()
+        run.opts = PruneHeadsPass(rank_feeds=args.rank_feeds, iterative=args.iterative)
+        orders[f"ablation-iterative-{args.iterative}"] = run.iterative_order(kmax)
+        print(f"iterative ranking ({args.iterative} per round, {kmax} heads): {time.perf_counter() - t0:.0f} s",
+              flush=True)
     for name, opts in [("local", {"importance": "local"})] + [
             (f"random-{s}", {"importance": "random", "seed": s}) for s in range(args.seeds)]:
         run.opts = PruneHeadsPass(**opts)
@@ -160,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", default="0.125,0.25,0.375")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rank-feeds", type=int, default=2)
+    ap.add_argument("--iterative", type=int, default=0, help="also rank by re-ranking every N removed heads")
     ap.add_argument("--budget", action="append")
     ap.add_argument("--recipe", default="")
     ap.add_argument("--threads", type=int, default=1)

@@ -3,7 +3,9 @@
 Works on fused attention (``fuse``: com.microsoft ``Attention`` with a packed QKV weight, or
 ``MultiHeadAttention`` fed by separate Q/K/V MatMuls), also after ``remove-padding`` (every
 length-group copy of a layer changes together) and with ``--provider cuda``'s
-``PackedMultiHeadAttention``. See ``layers.py`` for the matched subgraph::
+``PackedMultiHeadAttention``; and on unfused attention (all four MiniLM exports: TorchScript/dynamo,
+eager/sdpa; ``unfused.py``: Q/K/V MatMuls + bias Adds, head-split Reshapes, MatMul/Softmax/MatMul, head
+merge). See ``layers.py`` for the fused subgraph::
 
     x --[W_q|W_k|W_v]--> Attention/MHA (num_heads n) --ctx [.., n*d]--> MatMul(W_o) --> +bias, residual
 
@@ -13,7 +15,12 @@ length-group copy of a layer changes together) and with ``--provider cuda``'s
    ``ctx * mask``, so an ablation is a change of feeds); ``local``: a first-order estimate from one run,
    the head's share of its layer's projected output energy ``|ctx_h W_o,h|^2 / |ctx W_o|^2`` (the
    change of the residual stream, downstream layers taken as linear); ``random`` (``seed``) for
-   comparisons. Heads are ranked globally; each layer keeps ``min_heads``.
+   comparisons. Heads are ranked globally; each layer keeps ``min_heads``. ``iterative=N`` (ablation
+   only; off by default: on MiniLM most of its gain came from ranking with compensation, which one round
+   with N >= the heads removed also gives; re-ranking itself helped only at 37.5%, for 4.5x the ranking
+   time, docs/benchmarks.md) re-ranks after every N removed
+   heads, ablating each remaining head on top of those already chosen (compensated when compensation is
+   on).
 2. Compensation (``compensate=true``): each pruned layer's output projection and bias are re-fit by
    least squares (closed form) so ``ctx_kept W' + c`` matches ``ctx W_o`` on the calibration tokens
    (contexts of the unpruned model), each token weighted by ``1 / |ctx W_o|^2`` (relative error per
@@ -25,10 +32,13 @@ length-group copy of a layer changes together) and with ``--provider cuda``'s
    feeds (fewer heads while it fails there). ``budget_share=S`` spends only ``S`` of the budget's slack
    (``cosine>=0.99`` at 0.5 is ``cosine>=0.995``), leaving the rest to a later lossy pass (quantize).
 4. Physical removal: the kept heads' Q/K/V columns and W_o rows are sliced, ``num_heads`` (and
-   ``qkv_hidden_sizes``) set, constant Reshapes on the context path ``[..., H]`` rewritten.
+   ``qkv_hidden_sizes``) set, constant Reshapes on the context path ``[..., H]`` rewritten; unfused: the
+   three projection MatMuls and bias Adds sliced, constant Reshape shapes with ``n`` / ``H`` rewritten
+   (``-1`` and computed entries, as the exporters write them, need nothing).
 
-Refuses (model unchanged, the reason in the notes): no fused attention (unfused graphs: run ``fuse``
-first), quantized attention (run prune-heads before quantize), causal/rotary/past-state attention,
+Refuses (model unchanged, the reason in the notes): no attention (fused or MatMul/Softmax/MatMul with
+constant projections), an unfused Reshape that computes its shape with a constant head count or width
+(Concat of computed dims and ``[n, d]``), quantized attention (run prune-heads before quantize), causal/rotary/past-state attention,
 packed QKV inputs, a context that reaches anything but an output projection through
 Reshape/Concat/Gather/Squeeze, projections without constant weights.
 """
@@ -70,8 +80,11 @@ class PruneHeadsPass(GraphoptPass):
 
     def __init__(self, *, ratio: float = 0.0, heads: int = 0, importance: str = "ablation",
                  compensate: bool = True, min_heads: int = 1, rank_feeds: int = 2, seed: int = 0,
-                 budget_share: float = 1.0):
+                 budget_share: float = 1.0, iterative: int = 0):
         super().__init__()
+        if iterative < 0 or (iterative and importance != "ablation"):
+            raise UsageError("prune-heads.iterative=N (heads removed per re-ranking round) needs importance=ablation "
+                             f"and N >= 0, got {iterative} with {importance}")
         if importance not in IMPORTANCE:
             raise UsageError(f"prune-heads.importance must be one of {', '.join(IMPORTANCE)}, got {importance!r}")
         if not 0.0 <= ratio < 1.0:
@@ -85,6 +98,7 @@ class PruneHeadsPass(GraphoptPass):
         self.ratio, self.heads, self.importance = float(ratio), int(heads), importance
         self.compensate, self.min_heads = bool(compensate), int(min_heads)
         self.rank_feeds, self.seed, self.budget_share = int(rank_feeds), int(seed), float(budget_share)
+        self.iterative = int(iterative)
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         notes: list[str] = []
@@ -169,8 +183,12 @@ class _Run:
         opts, layers = self.opts, self.layers
         self.prepare()
         total = sum(la.num_heads for la in layers)
-        scores = self.importance()
-        order = self.order(scores)
+        if opts.iterative:
+            limit = (min(opts.heads or int(round(opts.ratio * total)), total) if opts.heads or opts.ratio
+                     else total)
+            order = self.iterative_order(limit)
+        else:
+            order = self.order(self.importance())
         self.note(f"{len(layers)} attention layers, {total} heads ({', '.join(la.name() for la in layers[:2])}"
                   + (" ..." if len(layers) > 2 else "") + f"); importance {opts.importance}")
         if opts.heads or opts.ratio:
@@ -253,6 +271,30 @@ class _Run:
                 masks[i][h * layer.head_size:(h + 1) * layer.head_size] = 0.0
                 out.append((i, h, _loss(compare(self.probe.run(feeds, masks), ref, feeds))))
         return out
+
+    def iterative_order(self, limit: int) -> list[tuple[int, int]]:
+        """Removal order re-ranked every ``iterative`` heads: each round ablates every remaining head on top of
+        the heads already chosen (with compensation when it is on) and takes the ``iterative`` cheapest."""
+        opts = self.opts
+        n = opts.rank_feeds if opts.rank_feeds > 0 else len(self.calib)
+        feeds, ref = self.calib[:n], self.ref_calib[:n]
+        chosen: list[tuple[int, int]] = []
+        left = [la.num_heads for la in self.layers]
+        while len(chosen) < limit:
+            scored = sorted((_loss(self.evaluate(chosen + [(i, h)], feeds, ref, opts.compensate)), i, h)
+                            for i, la in enumerate(self.layers) for h in range(la.num_heads)
+                            if (i, h) not in chosen and left[i] > opts.min_heads)
+            if not scored:
+                break
+            taken = 0
+            for _, i, h in scored:
+                if taken == opts.iterative or len(chosen) == limit:
+                    break
+                if left[i] > opts.min_heads:
+                    chosen.append((i, h))
+                    left[i] -= 1
+                    taken += 1
+        return chosen
 
     def order(self, scores: list[tuple[int, int, float]]) -> list[tuple[int, int]]:
         """Heads in removal order (least important first); each layer keeps its ``min_heads`` best."""

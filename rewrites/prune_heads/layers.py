@@ -50,6 +50,10 @@ class Layer:
     qkv_bias: ir.Value | None = None
     proj: tuple[ir.Node, ir.Node, ir.Node] | None = None
     reshapes: list[ir.Node] = dataclasses.field(default_factory=list)
+    #: unfused attention: the Q/K/V bias Adds and the index of their constant [H] input
+    proj_biases: list[tuple[ir.Node, int]] = dataclasses.field(default_factory=list)
+    #: unfused attention: the values between the Q/K/V projections and the output projection
+    region: list[ir.Value] | None = None
 
     @property
     def hidden(self) -> int:
@@ -149,8 +153,11 @@ def find_layers(model: ir.Model) -> list[Layer]:
         quant = [n for n in model.graph if is_attention(n, "QAttention")]
         if quant:
             raise Refusal("the attention is quantized (QAttention): run prune-heads before quantize")
-        raise Refusal("no fused attention (com.microsoft Attention / MultiHeadAttention): run `fuse` first "
-                      "(unfused attention is not pruned)")
+        if any(n.op_type in _QUANTIZED for n in model.graph):
+            raise Refusal("the graph has quantized MatMuls: run prune-heads before quantize")
+        from graphopt.rewrites.prune_heads import unfused
+
+        return unfused.find_layers(model)
     by_out: dict[int, Layer] = {}
     order: list[Layer] = []
     for node in attns:
@@ -243,15 +250,22 @@ def prune_layer(graph: ir.Graph, layer: Layer, keep: Sequence[int], out_weight: 
         for mm in layer.proj:
             w = _const(mm.inputs[1])
             _set_const(graph, [(mm, 1)], mm.inputs[1], np.ascontiguousarray(w[:, ch]), tag)
+    for add, idx in layer.proj_biases:
+        b = _const(add.inputs[idx])
+        _set_const(graph, [(add, idx)], add.inputs[idx], np.ascontiguousarray(b[ch]), tag)
     if layer.qkv_bias is not None:
         b = _const(layer.qkv_bias)
         _set_const(graph, _uses_in(layer.qkv_bias, layer.copies), layer.qkv_bias, np.ascontiguousarray(b[cols]), tag)
     width = len(ch)
-    for node in layer.copies:
+    if layer.region is not None:  # unfused
+        from graphopt.rewrites.prune_heads import unfused
+
+        unfused.rewrite_shapes(graph, layer, len(keep), _set_const)
+    for node in (n for n in layer.copies if n.op_type in OPS):
         node.attributes["num_heads"] = ir.AttrInt64("num_heads", len(keep))
         if "qkv_hidden_sizes" in node.attributes:
             node.attributes["qkv_hidden_sizes"] = ir.AttrInt64s("qkv_hidden_sizes", [width] * 3)
-    for r in layer.reshapes:
+    for r in layer.reshapes if layer.region is None else ():
         shape = _const(r.inputs[1]).copy()
         shape[-1] = width
         _set_const(graph, [(r, 1)], r.inputs[1], shape, tag)
