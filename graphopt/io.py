@@ -285,7 +285,7 @@ def save(
 
 
 def _save_inline(model: ir.Model, path: Path) -> None:
-    proto = _serialize(model)
+    proto = to_proto(model)  # external tensors read in: the file must not point into another's data
     if proto.ByteSize() >= PROTO_LIMIT:
         raise ModelSaveError(f"{path.name}: model over 2 GB; save it with external data")
     with open(path, "wb") as f:
