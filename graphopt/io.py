@@ -255,13 +255,14 @@ def save(
 ) -> Path:
     """Save ``model`` to ``path`` atomically.
 
-    ``external_data``: True writes initializers to ``<name>.data`` beside the model; None decides
-    by size (external above ~2 GB, where protobuf cannot hold the model).
+    ``external_data``: True writes initializers to ``<name>.data`` beside the model; None decides:
+    external when the model's weights came from external data (never a model file pointing into
+    its input's data) or above ~2 GB, where protobuf cannot hold the model.
     """
     dst = check_output_path(src, path, in_place=in_place)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if external_data is None:
-        external_data = tensor_bytes(model) >= PROTO_LIMIT
+    if external_data is None:  # weights read from external data are written out the same way, streaming
+        external_data = _has_external(model) or tensor_bytes(model) >= PROTO_LIMIT
     data_name = dst.name + ".data"
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
     try:
@@ -284,7 +285,7 @@ def save(
 
 
 def _save_inline(model: ir.Model, path: Path) -> None:
-    proto = _serialize(model)
+    proto = to_proto(model)  # external tensors read in: the file must not point into another's data
     if proto.ByteSize() >= PROTO_LIMIT:
         raise ModelSaveError(f"{path.name}: model over 2 GB; save it with external data")
     with open(path, "wb") as f:
@@ -301,14 +302,91 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     return _serialize(model)
 
 
+#: models whose tensors hold at least this many bytes, or whose weights lie in external data, reach
+#: the checker and ORT as a temporary model file referencing the weights on disk (no in-memory copy)
+STREAM_BYTES = 256 * 2**20
+
+
+def streams(model: ir.Model) -> bool:
+    """Whether ``materialize`` hands ``model`` over as a file with its weights on disk."""
+    return _has_external(model) or tensor_bytes(model) >= min(STREAM_BYTES, PROTO_LIMIT)
+
+
+def _has_external(model: ir.Model) -> bool:
+    return any(isinstance(v.const_value, ir.ExternalTensor) for g in model.graphs() for v in g.initializers.values())
+
+
 @contextlib.contextmanager
 def materialize(model: ir.Model):
-    """Yield something onnx.checker and ORT accept: a self-contained ModelProto, or for models
-    over the protobuf limit the path of a temporary copy with external data."""
-    if tensor_bytes(model) < PROTO_LIMIT:
+    """Yield something onnx.checker and ORT accept: a self-contained ModelProto for small models,
+    else (see :func:`streams`) the path of a temporary model file whose weights stay on disk."""
+    if not streams(model):
         yield to_proto(model)
         return
-    with tempfile.TemporaryDirectory(prefix="graphopt-big-") as d:
-        path = Path(d) / "model.onnx"
-        ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=EXTERNAL_THRESHOLD)
+    folder = _external_folder(model)
+    paths: list[Path] = []
+    try:
+        try:
+            if folder is None:
+                raise PermissionError("no external data")
+            path = write_referencing(model, folder, f".graphopt-{secrets.token_hex(4)}", created=paths)
+        except OSError as e:  # a read-only folder: a full copy in a temporary folder
+            for p in paths:
+                p.unlink(missing_ok=True)
+            paths.clear()
+            d = Path(tempfile.mkdtemp(prefix="graphopt-big-"))
+            paths.append(d)
+            if folder is not None:
+                logger.info("cannot write beside %s (%s); copying the weights to %s", folder, e.strerror or e, d)
+            path = write_referencing(model, d, "model")
         yield str(path)
+    finally:
+        for p in paths:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _external_folder(model: ir.Model) -> Path | None:
+    """The folder most of the model's external data lies in (by bytes), or None."""
+    sizes: dict[Path, int] = {}
+    for g in model.graphs():
+        for v in g.initializers.values():
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor):
+                d = (Path(t.base_dir) / t.location).resolve().parent
+                sizes[d] = sizes.get(d, 0) + t.nbytes
+    return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
+def write_referencing(model: ir.Model, folder: Path, stem: str, *, created: list[Path] | None = None) -> Path:
+    """Write ``model`` as ``folder/<stem>.onnx`` without copying the weights already in ``folder``.
+
+    External tensors whose files lie in ``folder`` stay where they are (the ONNX checker accepts
+    external data only beside the model file, and no links); every other tensor above
+    ``EXTERNAL_THRESHOLD`` is written, tensor by tensor, to ``folder/<stem>.data``. ``model`` itself
+    is left as it is. The files made are appended to ``created``. Returns the model path.
+    """
+    created = [] if created is None else created
+    folder = folder.resolve()
+    work = model.clone()  # shares the tensors; only the clone's values are pointed elsewhere
+    to_write: list[ir.Value] = []
+    for g in work.graphs():
+        for v in g.initializers.values():
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor) and not Path(t.location).is_absolute() \
+                    and (Path(t.base_dir) / t.location).resolve().parent == folder \
+                    and Path(t.base_dir).resolve() == folder:
+                continue
+            if t is not None and t.nbytes > EXTERNAL_THRESHOLD:
+                to_write.append(v)
+    path, data = folder / f"{stem}.onnx", folder / f"{stem}.data"
+    created += [path, data]
+    new = ir.external_data.convert_tensors_to_external([v.const_value for v in to_write], folder, data.name)
+    for v, t in zip(to_write, new):
+        v.const_value = t
+    proto = _serialize(work)
+    with open(path, "xb") as f:
+        f.write(proto.SerializeToString())
+    return path

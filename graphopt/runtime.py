@@ -5,12 +5,11 @@ CUDA is used when asked for and available; otherwise CPU, with the reason logged
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -118,14 +117,14 @@ def make_session(
         else:
             logger.warning("CUDA requested but not available (%s); using CPU", why)
     so = session_options(threads=threads, optimize=optimize, spinning=spinning, level=level)
-    tmp: tempfile.TemporaryDirectory | None = None
+    stack = contextlib.ExitStack()
     try:
         if isinstance(model, (str, os.PathLike)):
             src: Any = str(model)
         elif isinstance(model, bytes):
             src = model
         else:
-            src, tmp = _model_bytes_or_file(model)
+            src = stack.enter_context(_model_source(model))
         sess = ort.InferenceSession(src, sess_options=so, providers=providers)
     except Exception as e:
         msg = first_line(e)
@@ -137,8 +136,7 @@ def make_session(
                     "optimize with --provider cpu for CPU serving")
         raise RuntimeSetupError(f"ONNX Runtime cannot load the model: {msg}", hint=hint) from e
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        stack.close()
     if provider == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
         if strict_provider:
             raise RuntimeSetupError("--provider cuda: the CUDAExecutionProvider did not initialise (its CUDA runtime, "
@@ -148,22 +146,23 @@ def make_session(
     return sess
 
 
-def _model_bytes_or_file(model: Any):
+@contextlib.contextmanager
+def _model_source(model: Any):
+    """What ``InferenceSession`` takes for an ``onnx_ir.Model`` or ModelProto: serialized bytes, or for
+    large models and models with external data the path of a temporary file whose weights stay on
+    disk (``graphopt.io.materialize``)."""
     import onnx
     import onnx_ir as ir
 
     from graphopt import io
 
     if isinstance(model, ir.Model):
-        if io.tensor_bytes(model) >= io.PROTO_LIMIT:
-            tmp = tempfile.TemporaryDirectory(prefix="graphopt-sess-")
-            path = Path(tmp.name) / "model.onnx"
-            ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=io.EXTERNAL_THRESHOLD)
-            return str(path), tmp
-        model = io.to_proto(model)
-    if isinstance(model, onnx.ModelProto):
-        return model.SerializeToString(), None
-    raise TypeError(f"cannot make a session from {type(model).__name__}")
+        with io.materialize(model) as m:
+            yield m if isinstance(m, str) else m.SerializeToString()
+    elif isinstance(model, onnx.ModelProto):
+        yield model.SerializeToString()
+    else:
+        raise TypeError(f"cannot make a session from {type(model).__name__}")
 
 
 def run(sess, feeds: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:

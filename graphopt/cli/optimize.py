@@ -53,7 +53,8 @@ def command(
     debug_dir: Annotated[Path | None, typer.Option("--debug-dir", help="Save before/after models of a failing pass here.")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show why expected patterns did not match.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
-    external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: only above 2 GB.")] = None,
+    external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: when the input had external data, or above 2 GB.")] = None,
+    max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory the run may use (e.g. 12G); default: what the system reports available. Graphopt streams the weights when needed and stops with an error, before loading, when its estimate exceeds this.")] = None,
     json_: Json = False,
     quiet: Quiet = False,
 ) -> None:
@@ -78,6 +79,10 @@ def command(
     parsed_budget = parse_budget(budget)
     shapes, values = feed_overrides(input_shape, input_value, calib)
     io.check_output_path(model, out, in_place=in_place)
+    if model.is_file():
+        from graphopt import memory
+
+        memory.plan(model, verify, memory.parse_size(max_memory) if max_memory is not None else None)
     rec = recipe_mod.load(recipe, provider=provider) if recipe else None
 
     console = make_console(stderr=True)
