@@ -429,13 +429,15 @@ class _Run:
         else:
             threshold = self._calibrate(preds, scores, labels, layer_of, target, tune, confirm, n_layers)
             if threshold is None:
-                return self.refuse(f"no threshold meets {self.budget} on both the tune and confirm rows "
+                return self.refuse(f"no threshold meets {self.budget} on both the tune rows (lower bound at "
+                                   f"confidence {self.p.confidence:g}) and the confirm rows "
                                    f"({len(tune)}/{len(confirm)} rows); " + "; ".join(table), budget_met=False)
         for part, idx in (("tune", tune), ("confirm", confirm)):
             ex, pr = simulate(preds[:, idx], scores[:, idx], labels[idx], self.p.criterion, threshold)
             hist = np.bincount(ex, minlength=len(exits) + 1)
+            lb = agreement_lower_bound(int(np.sum(pr == labels[idx])), len(idx), self.p.confidence)
             self.notes.append(
-                f"{part}: top1 {np.mean(pr == labels[idx]):.4f}, mean exit layer {layer_of[ex].mean():.2f}/{n_layers} "
+                f"{part}: top1 {np.mean(pr == labels[idx]):.4f} (lower bound {lb:.4f}), mean exit layer {layer_of[ex].mean():.2f}/{n_layers} "
                 f"(ideal {n_layers / layer_of[ex].mean():.2f}x), exits " +
                 ", ".join(f"L{layer_of[j]}:{hist[j]}" for j in range(len(hist))))
         # used exits only (a never-used exit costs a head and an If)
