@@ -26,8 +26,10 @@ with the full model on rows not used to fit it.
 
 Calibration rows (every row of ``ctx.calib_feeds``) are split in three: *fit* (heads), *tune*
 (temperature, head choice, threshold) and *confirm*. The threshold is the cheapest one whose argmax
-agreement with the full model meets the budget's ``top1`` on the tune rows; it must also hold on the
-confirm rows (else the next stricter one is tried). Criteria: ``maxprob`` (max softmax probability >=
+agreement with the full model meets the budget's ``top1`` on the tune rows with a safety margin: the
+one-sided Clopper-Pearson lower bound at ``confidence`` (default 0.95; 0 = the plain tune agreement)
+must reach the budget, so a few hundred tune rows cannot pass a threshold by luck; the plain agreement
+must also hold on the confirm rows (else the next stricter one is tried). Criteria: ``maxprob`` (max softmax probability >=
 t), ``entropy`` (1 - entropy/log(classes) >= t, DeeBERT) and ``patience`` (the last ``t`` exits agree
 on the class, PABEE).
 
@@ -281,6 +283,22 @@ def simulate(preds: np.ndarray, scores: np.ndarray, final: np.ndarray, criterion
 # ------------------------------------------------------------------ the pass
 
 
+def agreement_lower_bound(agree: int, rows: int, confidence: float) -> float:
+    """One-sided Clopper-Pearson lower bound of an agreement rate (``agree`` of ``rows``) at ``confidence``.
+
+    ``confidence=0`` gives the plain rate ``agree / rows``.
+    """
+    if rows <= 0:
+        return 0.0
+    if confidence <= 0.0:
+        return agree / rows
+    if agree <= 0:
+        return 0.0
+    from scipy.stats import beta
+
+    return float(beta.ppf(1.0 - confidence, agree, rows - agree + 1))
+
+
 def _budget_target(budget: metrics.Budget) -> float | None:
     for t in budget.terms:
         if t.metric == "top1" and t.op in (">=", ">"):
@@ -298,7 +316,7 @@ class EarlyExit(GraphoptPass):
 
     def __init__(self, *, layers: str = "", criterion: str = "maxprob", threshold: float = -1.0,
                  mode: str = "batch", head: str = "auto", pool: str = "cls+mean", exit_output: str = "",
-                 min_layer: int = 1, seed: int = 0):
+                 min_layer: int = 1, seed: int = 0, confidence: float = 0.95):
         super().__init__()
         for opt, val, allowed in (("criterion", criterion, CRITERIA), ("mode", mode, MODES),
                                   ("head", head, HEADS), ("pool", pool, POOLS)):
@@ -312,6 +330,9 @@ class EarlyExit(GraphoptPass):
             raise UsageError(f"early-exit.layers are 1-based layer numbers, got {layers!r}")
         if min_layer < 1:
             raise UsageError(f"early-exit.min_layer must be >= 1, got {min_layer}")
+        if not 0.0 <= confidence < 1.0:
+            raise UsageError(f"early-exit.confidence must be in [0, 1), got {confidence}")
+        self.confidence = float(confidence)
         self.layers = layers
         self.criterion = criterion
         self.threshold = float(threshold)
@@ -408,13 +429,15 @@ class _Run:
         else:
             threshold = self._calibrate(preds, scores, labels, layer_of, target, tune, confirm, n_layers)
             if threshold is None:
-                return self.refuse(f"no threshold meets {self.budget} on both the tune and confirm rows "
+                return self.refuse(f"no threshold meets {self.budget} on both the tune rows (lower bound at "
+                                   f"confidence {self.p.confidence:g}) and the confirm rows "
                                    f"({len(tune)}/{len(confirm)} rows); " + "; ".join(table), budget_met=False)
         for part, idx in (("tune", tune), ("confirm", confirm)):
             ex, pr = simulate(preds[:, idx], scores[:, idx], labels[idx], self.p.criterion, threshold)
             hist = np.bincount(ex, minlength=len(exits) + 1)
+            lb = agreement_lower_bound(int(np.sum(pr == labels[idx])), len(idx), self.p.confidence)
             self.notes.append(
-                f"{part}: top1 {np.mean(pr == labels[idx]):.4f}, mean exit layer {layer_of[ex].mean():.2f}/{n_layers} "
+                f"{part}: top1 {np.mean(pr == labels[idx]):.4f} (lower bound {lb:.4f}), mean exit layer {layer_of[ex].mean():.2f}/{n_layers} "
                 f"(ideal {n_layers / layer_of[ex].mean():.2f}x), exits " +
                 ", ".join(f"L{layer_of[j]}:{hist[j]}" for j in range(len(hist))))
         # used exits only (a never-used exit costs a head and an If)
@@ -509,8 +532,12 @@ class _Run:
             ex, pr = simulate(preds[:, idx], scores[:, idx], labels[idx], self.p.criterion, t)
             return float(np.mean(pr == labels[idx])), float(layer_of[ex].mean())
 
+        def bound(t):
+            ex, pr = simulate(preds[:, tune], scores[:, tune], labels[tune], self.p.criterion, t)
+            return agreement_lower_bound(int(np.sum(pr == labels[tune])), len(tune), self.p.confidence)
+
         ok = [(stats(tune, t)[1], -t if self.p.criterion != "patience" else t, t) for t in cands
-              if stats(tune, t)[0] >= target]
+              if bound(t) >= target]
         ok.sort()
         for cost, _, t in ok:
             if cost >= n_layers:

@@ -13,7 +13,7 @@ import pytest
 
 from graphopt import metrics, runtime
 from graphopt.registry import PassContext
-from graphopt.rewrites.early_exit import EarlyExit, find_layers, pool_features
+from graphopt.rewrites.early_exit import EarlyExit, agreement_lower_bound, find_layers, pool_features
 
 LAYERS, HIDDEN, CLASSES, VOCAB = 3, 16, 3, 40
 
@@ -242,12 +242,53 @@ def test_remove_padding_either_way():
 def test_options_are_checked():
     from graphopt.errors import UsageError
 
-    for bad in ({"mode": "rows"}, {"criterion": "margin"}, {"layers": "a"}, {"layers": "0"}, {"head": "tree"}):
+    for bad in ({"mode": "rows"}, {"criterion": "margin"}, {"layers": "a"}, {"layers": "0"}, {"head": "tree"},
+                {"confidence": 1.0}, {"confidence": -0.1}):
         with pytest.raises(UsageError):
             EarlyExit(**bad)
     model = _tiny_encoder()
     result = _apply(model, _feeds(6), layers=str(LAYERS), threshold=0.5)
     assert not result.modified and "exits must be after layers" in result.notes[0]
+
+
+def test_agreement_lower_bound_is_clopper_pearson():
+    # 0 disagreements of n: the exact one-sided bound is (1 - confidence) ** (1 / n)
+    for n in (50, 200, 1000):
+        assert agreement_lower_bound(n, n, 0.95) == pytest.approx(0.05 ** (1 / n), rel=1e-9)
+    assert agreement_lower_bound(197, 200, 0.0) == pytest.approx(0.985)  # confidence 0: the plain rate
+    # 99% agreement on 200 rows does not show 99% at 95% confidence; on 5000 rows it shows 98.7%
+    assert agreement_lower_bound(198, 200, 0.95) < 0.98
+    assert 0.985 < agreement_lower_bound(4950, 5000, 0.95) < 0.99
+    assert agreement_lower_bound(0, 10, 0.95) == 0.0 and agreement_lower_bound(0, 0, 0.95) == 0.0
+    # a higher confidence asks for more: the bound falls
+    assert agreement_lower_bound(590, 600, 0.99) < agreement_lower_bound(590, 600, 0.9) < 590 / 600
+
+
+def test_margin_picks_a_stricter_threshold():
+    """The threshold is the cheapest whose tune lower bound meets the budget: with a margin, rows that a
+    plain tune agreement would let exit stay on; confidence 0 reproduces the plain choice."""
+    from graphopt.rewrites.early_exit import _Run
+
+    rng = np.random.default_rng(0)
+    rows, n_layers = 400, 3
+    labels = rng.integers(0, 3, rows)
+    scores = rng.uniform(0, 1, (1, rows))
+    # the exit is wrong on 1% of rows, all of them with confidence in [0.5, 0.6)
+    preds = labels[None].copy()
+    wrong = np.flatnonzero((scores[0] >= 0.5) & (scores[0] < 0.6))[: rows // 100]
+    preds[0, wrong] = (labels[wrong] + 1) % 3
+    idx = np.arange(rows)
+    layer_of = np.array([1, n_layers])
+
+    def pick(confidence):
+        run = _Run(EarlyExit(confidence=confidence), None, None, None)
+        return run._calibrate(preds, scores, labels, layer_of, 0.99, idx, idx, n_layers)
+
+    plain, margin = pick(0.0), pick(0.95)
+    assert plain is not None and margin is not None
+    assert plain < 0.5 and margin > scores[0, wrong].max()  # plain lets the erring rows exit; the bound does not
+    ex = scores[0] >= margin
+    assert np.all(preds[0, ex] == labels[ex])
 
 
 # ------------------------------------------------------------------ real models (slow)
@@ -281,7 +322,9 @@ def test_classifier_through_the_pipeline():
 
     feeds = _sentence_feeds(10)
     res = pipeline.optimize(CLASSIFIER, passes="cleanup,fuse,early-exit", feeds=feeds,
-                            overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer"])
+                            # plumbing, not the margin: 40 tune rows cannot show 99% at any useful confidence
+                            overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer",
+                                       "early-exit.confidence=0"])
     assert res.ok
     rec = [r for r in res.report.passes if r.name == "early-exit"][0]
     assert rec.status == "ok" and rec.modified, rec.notes

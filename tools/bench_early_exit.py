@@ -22,6 +22,7 @@ matplotlib).
 Usage::
 
     python tools/bench_early_exit.py [--workload templates|mixed] [--rounds 7] [--batch1 64]
+                                     [--calib-pairs 1] [--confidence 0.95]
                                      [--plot docs/early_exit.png] [--json out.json]
 
 ``--workload mixed`` joins two template sentences per item (the second drawn at random, so half the
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("bench_early_exit")
 
 
-def _data(workload: str):
+def _data(workload: str, calib_pairs: int = 1):
     sys.path.insert(0, str(ROOT / "models"))
     import minilm_classifier as mc  # type: ignore[import-not-found]
 
@@ -61,7 +62,13 @@ def _data(workload: str):
             a, b = items[i], items[int(rng.integers(len(items)))]
             lines.append(f"{a[0]} {b[0]}")
     half = len(lines) // 2
-    calib, _ = text_feeds.text_feeds(tok, lines[:half], batch=32, order="file")
+    calib_lines = lines[:half]
+    if workload == "mixed" and calib_pairs > 1:  # more calibration rows: first sentences of the calib half only
+        rng = np.random.default_rng(2)
+        items = train + test
+        for _ in range(calib_pairs - 1):
+            calib_lines += [f"{items[i][0]} {items[int(rng.integers(len(items)))][0]}" for i in range(half)]
+    calib, _ = text_feeds.text_feeds(tok, calib_lines, batch=32, order="file")
     held, _ = text_feeds.text_feeds(tok, lines[half:], batch=32, order="file")
     return path, tok, lines[half:], calib, held
 
@@ -74,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--workload", choices=("templates", "mixed"), default="templates",
                     help="templates: the classifier's sentences; mixed: pairs of them (half with opposite labels)")
+    ap.add_argument("--calib-pairs", type=int, default=1,
+                    help="mixed: pairs made per calibration first sentence (more calibration rows; held-back unchanged)")
+    ap.add_argument("--confidence", type=float, default=0.95,
+                    help="early-exit.confidence: lower-bound confidence of the tune agreement (0 = plain)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.registry import PassContext
     from graphopt.rewrites.early_exit import EarlyExit
 
-    path, tok, held_lines, calib, held = _data(args.workload)
+    path, tok, held_lines, calib, held = _data(args.workload, args.calib_pairs)
     fused = pipeline.optimize(str(path), passes="cleanup,fuse", verify_level="structure").model
     proto = ir.to_proto(fused)
     variants: dict[str, ir.Model] = {"full": fused}
@@ -91,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("batch", "row"):
             name = f"{mode[0]}{target}"
             m = ir.from_proto(proto)
-            r = EarlyExit(mode=mode, exit_output="exit_layer")(
+            r = EarlyExit(mode=mode, exit_output="exit_layer", confidence=args.confidence)(
                 m, PassContext(calib_feeds=calib, budget=metrics.parse_budget(f"top1>={target}")))
             notes[name] = r.notes
             logger.info("%s: %s", name, " | ".join(r.notes))
