@@ -18,18 +18,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def load_models_module(name: str):
-    """Import ``models/<name>.py`` by path (models/ is scripts, not an installed package)."""
-    path = REPO / "models" / f"{name}.py"
-    if not path.exists():  # a missing build script is a broken checkout, not a reason to skip
-        raise FileNotFoundError(f"{path}: no such model build script")
-    if str(REPO / "models") not in sys.path:
-        sys.path.insert(0, str(REPO / "models"))
-    spec = importlib.util.spec_from_file_location(f"graphopt_models_{name}", path)
+def _load_script(folder: str, name: str):
+    """Import ``<folder>/<name>.py`` by path (models/ and tools/ are scripts, not installed packages)."""
+    path = REPO / folder / f"{name}.py"
+    if not path.exists():  # a missing script is a broken checkout, not a reason to skip
+        raise FileNotFoundError(f"{path}: no such script")
+    if str(REPO / folder) not in sys.path:
+        sys.path.insert(0, str(REPO / folder))
+    spec = importlib.util.spec_from_file_location(f"graphopt_{folder}_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses (and pickling) look the module up by name
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_models_module(name: str):
+    """Import ``models/<name>.py`` (a model build script)."""
+    return _load_script("models", name)
+
+
+def load_tools_module(name: str):
+    """Import ``tools/<name>.py`` (a benchmark or developer script)."""
+    return _load_script("tools", name)
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,10 @@ def _only_reader(v: ir.Value) -> ir.Node | None:
     return uses[0][0]
 
 
+#: the note of a pass that found no FFN to work on
+NO_FFN_NOTE = "not applied: no FFN block (MatMul → Gelu/BiasGelu/FastGelu → MatMul with constant weights)"
+
+
 def find(model: ir.Model) -> list[FFN]:
     """Every FFN block of the main graph, in graph order."""
     out = []

@@ -224,7 +224,7 @@ class _Run:
         self.ffns = _ffn.find(model)
         self.budget: Budget = ctx.budget if ctx.budget else parse_budget(DEFAULT_BUDGET)
         if not self.ffns:
-            self.note("not applied: no FFN block (MatMul → Gelu/BiasGelu/FastGelu → MatMul with constant weights)")
+            self.note(_ffn.NO_FFN_NOTE)
             return PassResult(model, False, notes=self.notes)
         self.calib, self.held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds)
         if fed:

@@ -406,7 +406,7 @@ class _Run:
         self.ffns = _ffn.find(model)
         self.budget: Budget = ctx.budget if ctx.budget else parse_budget(DEFAULT_BUDGET)
         if not self.ffns:
-            self.note("not applied: no FFN block (MatMul → Gelu/BiasGelu/FastGelu → MatMul with constant weights)")
+            self.note(_ffn.NO_FFN_NOTE)
             return PassResult(model, False, notes=self.notes)
         patterns = [o.pattern] if o.pattern != "auto" else list(FASTER)
         if "blocks" in patterns and any(f.hidden % o.block_size or f.width % o.block_size for f in self.ffns):

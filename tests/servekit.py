@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.util
 import shutil
 import socket
 import tempfile
@@ -35,10 +34,9 @@ def remove_padding_minilm(src: str) -> Path:
 
 
 def _workload():
-    spec = importlib.util.spec_from_file_location("graphopt_tools_workload", REPO / "tools" / "workload.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_tools_module
+
+    return load_tools_module("workload")
 
 
 @functools.cache

@@ -3,21 +3,16 @@ MiniLM: PackedMultiHeadAttention, SkipLayerNormalization and MatMul in fp16, par
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import onnxruntime as ort
 import pytest
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "cuda_checks.py"
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("cuda_checks", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_tools_module
+
+    return load_tools_module("cuda_checks")
 
 
 def test_provider_check_first(capsys):

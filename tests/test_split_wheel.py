@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "split_ort_gpu_wheel.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("split_ort_gpu_wheel", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_tools_module
+
+    return load_tools_module("split_ort_gpu_wheel")
 
 
 def test_split_join_round_trip(tmp_path):
