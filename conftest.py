@@ -18,11 +18,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _load_script(folder: str, name: str):
+def _load_script(folder: str, name: str, what: str):
     """Import ``<folder>/<name>.py`` by path (models/ and tools/ are scripts, not installed packages)."""
     path = REPO / folder / f"{name}.py"
     if not path.exists():  # a missing script is a broken checkout, not a reason to skip
-        raise FileNotFoundError(f"{path}: no such script")
+        raise FileNotFoundError(f"{path}: no such {what}")
     if str(REPO / folder) not in sys.path:
         sys.path.insert(0, str(REPO / folder))
     spec = importlib.util.spec_from_file_location(f"graphopt_{folder}_{name}", path)
@@ -34,12 +34,12 @@ def _load_script(folder: str, name: str):
 
 def load_models_module(name: str):
     """Import ``models/<name>.py`` (a model build script)."""
-    return _load_script("models", name)
+    return _load_script("models", name, "model build script")
 
 
 def load_tools_module(name: str):
     """Import ``tools/<name>.py`` (a benchmark or developer script)."""
-    return _load_script("tools", name)
+    return _load_script("tools", name, "tool script")
 
 
 @pytest.fixture(scope="session")
