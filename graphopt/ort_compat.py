@@ -15,6 +15,13 @@ Two tables, kept small and sourced (checked 2026-12 through the project's search
   date from ORT 1.2-1.3's transformer optimizations; those rows say "no later than" and never decide the
   minimum of a real export, whose opset (>= 13) needs a later release anyway.
 
+Probed (``tools/ort_versions.py``, record in ``docs/ort-versions.json``, held to by ``tests/test_ort_compat.py``):
+every minor release with a cp311 wheel, 1.15.0 to 1.32.0 (1.24.1 for 1.24, which has no 1.24.0 wheel), was
+installed and asked which opsets it creates a session for and, from 1.16 on, which contrib ops it has CPU kernels
+for. The probes moved opset 19 to 1.16.0 and SkipSimplifiedLayerNormalization's CPU kernel to 1.17.0, and added
+opsets 24-28. Rows before 1.15 (opsets <= 18 are all run by 1.15.0) and the CUDA columns stay as sourced:
+the CPU wheels cannot show CUDA kernels.
+
 An op missing from the table makes the answer the installed ORT version (the one graphopt verified with),
 with the op named in ``unknown``: a floor we know holds, never a guess.
 """
@@ -30,8 +37,8 @@ from graphopt.opsets import MS_DOMAIN, default_opset, node_domain
 #: ONNX opset -> first ONNX Runtime release implementing it
 OPSET_SINCE: dict[int, str] = {
     7: "0.1.4", 8: "0.1.4", 9: "0.3.0", 10: "0.4.0", 11: "1.0.0", 12: "1.3.0", 13: "1.6.0", 14: "1.8.0",
-    15: "1.9.0", 16: "1.11.0", 17: "1.12.0", 18: "1.14.0", 19: "1.15.0", 20: "1.17.0", 21: "1.18.0",
-    22: "1.21.0", 23: "1.23.0",
+    15: "1.9.0", 16: "1.11.0", 17: "1.12.0", 18: "1.14.0", 19: "1.16.0", 20: "1.17.0", 21: "1.18.0",
+    22: "1.21.0", 23: "1.23.0", 24: "1.24.1", 25: "1.24.1", 26: "1.25.0", 27: "1.32.0", 28: "1.32.0",
 }
 
 #: com.microsoft op -> {provider: first ORT release with a kernel for it}
@@ -51,7 +58,7 @@ CONTRIB_SINCE: dict[str, dict[str, str]] = {
     "RemovePadding": {"cuda": "1.14.0"},
     "RestorePadding": {"cuda": "1.14.0"},
     "PackedAttention": {"cuda": "1.15.0"},
-    "SkipSimplifiedLayerNormalization": {"cpu": "1.15.0", "cuda": "1.15.0"},
+    "SkipSimplifiedLayerNormalization": {"cpu": "1.17.0", "cuda": "1.15.0"},
     "PackedMultiHeadAttention": {"cuda": "1.16.0"},
     "RotaryEmbedding": {"cpu": "1.17.0", "cuda": "1.17.0"},
     "MatMulNBits": {"cpu": "1.17.0", "cuda": "1.17.0"},

@@ -1,0 +1,167 @@
+"""Check graphopt's ONNX Runtime version tables against the released wheels themselves.
+
+``graphopt/ort_compat.py`` says which ORT release first runs each ONNX opset and which first has a CPU kernel
+for each ``com.microsoft`` op.  This script installs every minor release from PyPI that has a wheel for this
+Python (1.15 on, for cp311) into its own folder, and asks each one:
+
+- the highest default-domain opset it creates a session for (a one-node ``Identity`` model stamped with the
+  opset), and
+- which of the table's contrib ops it registers a CPU kernel for (``get_all_opkernel_def``).
+
+It writes the findings as JSON (``docs/ort-versions.json``; ``tests/test_ort_compat.py`` holds the tables to it)
+and prints where a table row disagrees.  CUDA kernels cannot be listed from the CPU wheels; those rows stay as
+sourced in ``ort_compat.py``.
+
+    python tools/ort_versions.py [--versions 1.15.0,1.16.0,...] [--cache DIR] [-o docs/ort-versions.json]
+
+Needs the package registry (``pip download``); about 260 MB of wheels, cached under ``--cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from graphopt.ort_compat import CONTRIB_SINCE, OPSET_SINCE  # noqa: E402
+
+#: the first release of each minor series with a cp311 manylinux wheel on PyPI (1.24.0 has none)
+DEFAULT_VERSIONS = [f"1.{m}.0" for m in range(15, 33) if m != 24] + ["1.24.1"]
+
+#: run inside the probed ORT: prints {"max_opset": N, "cpu_contrib": [...]}
+_PROBE = r"""
+import json, sys
+import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as C
+models = json.loads(sys.stdin.read())
+ok = []
+for opset, path in models:
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        ok.append(opset)
+    except Exception:
+        pass
+kernels = None  # releases before the kernel listing was exported cannot say
+if hasattr(C, "get_all_opkernel_def"):
+    kernels = sorted({k.op_name for k in C.get_all_opkernel_def()
+                      if k.domain == "com.microsoft" and k.provider == "CPUExecutionProvider"})
+print(json.dumps({"version": ort.__version__, "opsets": ok, "cpu_contrib": kernels}))
+"""
+
+
+def _identity_models(folder: pathlib.Path, opsets: range) -> list[tuple[int, str]]:
+    import onnx
+    from onnx import TensorProto, helper
+
+    out = []
+    for opset in opsets:
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])], "probe",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = 7  # every release here reads IR 7; the opset is what is probed
+        path = folder / f"identity-{opset}.onnx"
+        onnx.save(model, path)
+        out.append((opset, str(path)))
+    return out
+
+
+def _install(version: str, cache: pathlib.Path) -> pathlib.Path:
+    target = cache / version
+    if (target / "onnxruntime").is_dir():
+        return target
+    pkgs = [f"onnxruntime=={version}"]
+    minor = int(version.split(".")[1])
+    if minor < 19:  # built against numpy 1.x
+        pkgs.append("numpy<2")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
+                    "--target", str(target), *pkgs], check=True)
+    return target
+
+
+def probe(version: str, cache: pathlib.Path, models: list[tuple[int, str]]) -> dict:
+    target = _install(version, cache)
+    env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE], input=json.dumps(models), env=env,
+                          capture_output=True, text=True, check=True)
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if found["version"] != version:
+        raise SystemExit(f"probe of {version} imported onnxruntime {found['version']}")
+    opsets = found.pop("opsets")
+    found["max_opset"] = max(opsets)
+    if found["cpu_contrib"] is not None:
+        found["cpu_contrib"] = sorted(set(found["cpu_contrib"]) & set(CONTRIB_SINCE))
+    return found
+
+
+def _key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def disagreements(results: list[dict]) -> list[str]:
+    """Rows of the tables that the probed releases contradict (only what a probed release can decide)."""
+    results = sorted(results, key=lambda r: _key(r["version"]))
+    first, out = _key(results[0]["version"]), []
+    for opset, since in OPSET_SINCE.items():
+        runs = [r["version"] for r in results if r["max_opset"] >= opset]
+        seen = runs[0] if runs else None
+        if seen is None:
+            out.append(f"opset {opset}: table says {since}, no probed release runs it")
+        elif _key(seen) > first and _key(since)[:2] != _key(seen)[:2]:
+            out.append(f"opset {opset}: table says {since}, first probed release running it is {seen}")
+        elif _key(seen) == first and _key(since) > first:
+            out.append(f"opset {opset}: table says {since}, but {seen} already runs it")
+    listed = [r for r in results if r["cpu_contrib"] is not None]
+    first = _key(listed[0]["version"]) if listed else first
+    for op, per in CONTRIB_SINCE.items() if listed else ():
+        cpu = per.get("cpu")
+        has = [r["version"] for r in listed if op in r["cpu_contrib"]]
+        if cpu is None and has:
+            out.append(f"{op}: table says no CPU kernel, {has[0]} has one")
+        elif cpu is not None and not has:
+            out.append(f"{op}: table says CPU since {cpu}, no probed release has a CPU kernel")
+        elif cpu is not None and _key(has[0]) > first and _key(cpu)[:2] != _key(has[0])[:2]:
+            out.append(f"{op}: table says CPU since {cpu}, first probed release with one is {has[0]}")
+        elif cpu is not None and _key(has[0]) == first and _key(cpu) > first:
+            out.append(f"{op}: table says CPU since {cpu}, but {has[0]} already has one")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--versions", default=",".join(DEFAULT_VERSIONS))
+    ap.add_argument("--cache", type=pathlib.Path,
+                    default=pathlib.Path(os.environ.get("GRAPHOPT_CACHE", "~/.cache/graphopt")).expanduser()
+                    / "ort-versions")
+    ap.add_argument("-o", "--output", type=pathlib.Path, default=ROOT / "docs" / "ort-versions.json")
+    args = ap.parse_args(argv)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        models = _identity_models(pathlib.Path(tmp), range(7, 31))
+        results = []
+        for version in sorted(args.versions.split(","), key=_key):
+            found = probe(version, args.cache, models)
+            kernels = "not listed" if found["cpu_contrib"] is None else len(found["cpu_contrib"])
+            print(f"{version}: opset <= {found['max_opset']}, CPU contrib kernels: {kernels}", flush=True)
+            results.append(found)
+    args.output.write_text(json.dumps({"generated_by": "python tools/ort_versions.py", "releases": results},
+                                      indent=1) + "\n")
+    problems = disagreements(results)
+    for line in problems:
+        print("DISAGREES:", line)
+    print(f"{len(results)} releases probed; {len(problems)} table rows disagree; wrote {args.output}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
