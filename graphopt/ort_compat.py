@@ -17,10 +17,10 @@ Two tables, kept small and sourced (checked 2026-12 through the project's search
 
 Probed (``tools/ort_versions.py``, record in ``docs/ort-versions.json``, held to by ``tests/test_ort_compat.py``):
 every minor release with a cp311 wheel, 1.15.0 to 1.32.0 (1.24.1 for 1.24, which has no 1.24.0 wheel), was
-installed and asked which opsets it creates a session for and, from 1.16 on, which contrib ops it has CPU kernels
-for. The probes moved opset 19 to 1.16.0 and SkipSimplifiedLayerNormalization's CPU kernel to 1.17.0, and added
-opsets 24-28. Rows before 1.15 (opsets <= 18 are all run by 1.15.0) and the CUDA columns stay as sourced:
-the CPU wheels cannot show CUDA kernels.
+installed and asked which opsets and IR versions it loads and, from 1.16 on, which contrib ops it has CPU
+kernels for. The probes moved SkipSimplifiedLayerNormalization's CPU kernel to 1.17.0 and added opsets 24-28 and
+the IR table (a dynamo export is IR 10: ORT 1.17 refuses it whatever its opset). Rows before 1.15 and the CUDA
+columns stay as sourced: 1.15 is the oldest cp311 wheel, and the CPU wheels cannot show CUDA kernels.
 
 An op missing from the table makes the answer the installed ORT version (the one graphopt verified with),
 with the op named in ``unknown``: a floor we know holds, never a guess.
@@ -37,8 +37,15 @@ from graphopt.opsets import MS_DOMAIN, default_opset, node_domain
 #: ONNX opset -> first ONNX Runtime release implementing it
 OPSET_SINCE: dict[int, str] = {
     7: "0.1.4", 8: "0.1.4", 9: "0.3.0", 10: "0.4.0", 11: "1.0.0", 12: "1.3.0", 13: "1.6.0", 14: "1.8.0",
-    15: "1.9.0", 16: "1.11.0", 17: "1.12.0", 18: "1.14.0", 19: "1.16.0", 20: "1.17.0", 21: "1.18.0",
+    15: "1.9.0", 16: "1.11.0", 17: "1.12.0", 18: "1.14.0", 19: "1.15.0", 20: "1.17.0", 21: "1.18.0",
     22: "1.21.0", 23: "1.23.0", 24: "1.24.1", 25: "1.24.1", 26: "1.25.0", 27: "1.32.0", 28: "1.32.0",
+}
+
+#: ONNX IR version -> first ONNX Runtime release that loads it. Before 1.15: the IR version that came with the
+#: ONNX release whose opset the ORT release implements (IR 8 with ONNX 1.10 / opset 15, ...); from 1.15: probed.
+IR_SINCE: dict[int, str] = {
+    3: "0.1.4", 4: "0.4.0", 5: "0.4.0", 6: "1.0.0", 7: "1.3.0", 8: "1.9.0", 9: "1.15.0", 10: "1.18.0",
+    11: "1.23.0", 12: "1.24.1", 13: "1.24.1", 14: "1.32.0",
 }
 
 #: com.microsoft op -> {provider: first ORT release with a kernel for it}
@@ -114,6 +121,8 @@ def requirements(model: ir.Model) -> Requirements:
     installed = ort.__version__.split("+")[0]
     opset = default_opset(model)
     needs: dict[str, str] = {}
+    if model.ir_version:
+        needs[f"IR version {model.ir_version}"] = IR_SINCE.get(model.ir_version, installed)
     if opset:
         needs[f"opset {opset}"] = OPSET_SINCE.get(opset, installed)
     tables: dict[str, dict[str, str]] = {}

@@ -62,7 +62,8 @@ def test_config_pbtxt_parses_with_triton_proto_and_matches_signature(rp_model, t
     assert man["input_contract"]["padding"] == "remove-padding"
     assert man["input_contract"]["attention_mask"] == "attention_mask"
     assert [p["name"] for p in man["passes"]] == ["fuse", "remove-padding"]  # from the graph's provenance
-    assert man["onnxruntime"]["min_version"] == "1.17.0" and man["onnxruntime"]["decided_by"] == ["opset 20"]
+    # a dynamo export is IR 10 (ORT 1.17 refuses it: probed, docs/ort-versions.json); its opset 20 alone needs 1.17
+    assert man["onnxruntime"]["min_version"] == "1.18.0" and man["onnxruntime"]["decided_by"] == ["IR version 10"]
     assert set(man["onnxruntime"]["contrib_ops"]) >= {"MultiHeadAttention", "BiasGelu"}
 
 
@@ -78,7 +79,7 @@ def test_unbatched_model_config(mlp_path, tmp_path):
     assert json.loads((entry / "graphopt.json").read_text())["input_contract"]["padding"] == "none"
 
 
-def _graph_with(opset: int, *ms_ops: str) -> ir.Model:
+def _graph_with(opset: int, *ms_ops: str, ir_version: int = 7) -> ir.Model:
     nodes = [helper.make_node("Relu", ["x"], ["h0"])]
     for i, op in enumerate(ms_ops):
         nodes.append(helper.make_node(op, [f"h{i}"], [f"h{i + 1}"], domain="com.microsoft"))
@@ -86,7 +87,9 @@ def _graph_with(opset: int, *ms_ops: str) -> ir.Model:
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])])
     imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if ms_ops else [])
-    return ir.serde.deserialize_model(helper.make_model(g, opset_imports=imports))
+    proto = helper.make_model(g, opset_imports=imports)
+    proto.ir_version = ir_version
+    return ir.serde.deserialize_model(proto)
 
 
 @pytest.mark.parametrize(("opset", "ops", "version", "decided", "providers"), [
@@ -106,6 +109,13 @@ def test_min_ort_version(opset, ops, version, decided, providers):
     req = ort_compat.requirements(_graph_with(opset, *ops))
     assert (req.min_version, req.decided_by, req.providers) == (version, decided, providers)
     assert req.contrib_ops == sorted(ops) and req.unknown == []
+
+
+def test_ir_version_can_decide_the_minimum():
+    """ORT 1.17 runs opset 20 but refuses IR 10 (probed): a dynamo export at IR 10 needs 1.18."""
+    req = ort_compat.requirements(_graph_with(20, ir_version=10))
+    assert (req.min_version, req.decided_by) == ("1.18.0", ["IR version 10"])
+    assert ort_compat.requirements(_graph_with(20, ir_version=9)).min_version == "1.17.0"
 
 
 def test_unknown_contrib_op_falls_back_to_the_installed_version():
@@ -135,7 +145,7 @@ def test_repo_model_loads_in_stock_ort_with_external_data(rp_model, minilm, tmp_
     code, out, err = run_cli("deploy", rp_model, "-o", tmp_path / "repo", "--name", "mini", "--external-data",
                              "--report", report)
     assert code == 0, err
-    assert "onnxruntime >= 1.17.0" in out
+    assert "onnxruntime >= 1.18.0 (IR version 10)" in out
     entry = tmp_path / "repo" / "mini"
     assert (entry / "1" / "model.onnx.data").stat().st_size > 10_000_000
     man = json.loads((entry / "graphopt.json").read_text())
@@ -164,6 +174,7 @@ def test_model_local_function_needs_only_its_body_ops():
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])])
     m = helper.make_model(g, functions=[fn], opset_imports=[helper.make_opsetid("", 17),
                                                            helper.make_opsetid("ai.graphopt", 1)])
+    m.ir_version = 8  # helper stamps the newest IR, which only the newest ORT loads
     req = ort_compat.requirements(ir.serde.deserialize_model(m))
     assert (req.min_version, req.providers, req.unknown) == ("1.12.0", ["cpu", "cuda"], [])
 
