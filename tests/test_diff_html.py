@@ -1,14 +1,17 @@
 """The HTML diff report in headless Chromium (driven by playwright): renders without console
 errors, groups by name scope collapsed at load, a click opens a group on both sides, search finds
-nodes. The real-model tests write the screenshots in docs/ (MiniLM and a tiny GPT-2 decoder)."""
+nodes. The real-model tests take screenshots (MiniLM and a tiny GPT-2 decoder) into a temporary folder;
+with ``GRAPHOPT_UPDATE_SCREENSHOTS=1`` they replace the ones in docs/ (a test run leaves the tree as it was)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import shutil
 import struct
 import sys
+import tempfile
 from pathlib import Path
 
 import onnx_ir as ir
@@ -20,6 +23,7 @@ from graphopt.diff.scopes import inherit_scopes, node_scope
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
+SHOTS = DOCS if os.environ.get("GRAPHOPT_UPDATE_SCREENSHOTS") == "1" else Path(tempfile.gettempdir()) / "graphopt-shots"
 
 _spec = importlib.util.spec_from_file_location("diff_models", Path(__file__).with_name("diff_models.py"))
 dm = importlib.util.module_from_spec(_spec)
@@ -50,7 +54,8 @@ class Page:
         return self.page.locator(selector).count()
 
     def shot(self, name: str) -> Path:
-        out = DOCS / name
+        SHOTS.mkdir(exist_ok=True)
+        out = SHOTS / name
         self.page.locator(".panes").screenshot(path=str(out))
         data = out.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
