@@ -7,6 +7,7 @@ parallel build) never sees a half-written model.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
@@ -21,6 +22,23 @@ def cache_dir(cache: str | os.PathLike | None = None) -> Path:
     p = Path(cache) if cache else Path(os.environ.get("GRAPHOPT_CACHE") or Path.home() / ".cache" / "graphopt" / "models")
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the options every build script shares: ``--cache-dir``, ``--force``, ``-v``."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--cache-dir", type=Path, default=None)
+    ap.add_argument("--force", action="store_true", help="rebuild even when cached")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` and set up logging (INFO with ``-v``)."""
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args
 
 
 def offline() -> None:

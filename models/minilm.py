@@ -21,8 +21,6 @@ From Python (``models/`` is not installed; import by path)::
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -59,16 +57,12 @@ def build(exporter: str = "dynamo", attn: str = "sdpa", cache_dir: str | os.Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _build.parser(__doc__)
     ap.add_argument("-o", "--output", type=Path, help="copy the model here (default: print the cached path)")
     ap.add_argument("--exporter", choices=EXPORTERS, default="dynamo")
     ap.add_argument("--attn", choices=ATTNS, default="sdpa")
     ap.add_argument("--all", action="store_true", help="build all four variants into the cache")
-    ap.add_argument("--cache-dir", type=Path, default=None)
-    ap.add_argument("--force", action="store_true", help="rebuild even when cached")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _build.parse_args(ap, argv)
     def body() -> int:
         if args.all:
             for e, a in VARIANTS:

@@ -20,7 +20,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
@@ -158,15 +157,11 @@ def build(exporter: str = "dynamo", attn: str = "sdpa", cache_dir: str | os.Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _build.parser(__doc__)
     ap.add_argument("-o", "--output", type=Path)
     ap.add_argument("--exporter", choices=minilm.EXPORTERS, default="dynamo")
     ap.add_argument("--attn", choices=minilm.ATTNS, default="sdpa")
-    ap.add_argument("--cache-dir", type=Path, default=None)
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _build.parse_args(ap, argv)
     def body() -> int:
         path = build(args.exporter, args.attn, args.cache_dir, args.force)
         info = json.loads((train_folder(args.cache_dir) / "graphopt_head.json").read_text())

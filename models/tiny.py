@@ -21,8 +21,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -98,17 +96,13 @@ def build(family: str, task: str, exporter: str = "dynamo", cache_dir: str | os.
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _build.parser(__doc__)
     ap.add_argument("--family", choices=list(FAMILIES), default="bert")
     ap.add_argument("--task", default=None, help="default: the family's first task")
     ap.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
     ap.add_argument("-o", "--output", type=Path)
     ap.add_argument("--all", action="store_true", help="every family and task")
-    ap.add_argument("--cache-dir", type=Path, default=None)
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _build.parse_args(ap, argv)
     def body() -> int:
         if args.all:
             for fam, tasks in FAMILIES.items():

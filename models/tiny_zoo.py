@@ -33,7 +33,6 @@ The families of models/tiny.py (bert, gpt2, llama) are built there. Usage::
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -126,15 +125,11 @@ def build(family: str, exporter: str = "dynamo", cache_dir: str | os.PathLike | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _build.parser(__doc__)
     ap.add_argument("--family", choices=list(FAMILIES), default="qwen2")
     ap.add_argument("--all", action="store_true", help="every family")
     ap.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
-    ap.add_argument("--cache-dir", type=Path, default=None)
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _build.parse_args(ap, argv)
 
     def body() -> int:
         for fam in FAMILIES if args.all else [args.family]:
