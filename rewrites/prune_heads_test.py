@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from testmodels import embed_layernorm_prologue
 
 from graphopt import pipeline, recipe, registry, standins
 from graphopt.errors import UsageError
@@ -30,14 +31,7 @@ def _encoder(kind: str = "attention", *, unidirectional: int = 0, extra_context_
         inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
         return name
 
-    nodes = [
-        helper.make_node("Cast", ["input_ids"], ["ids32"], to=TensorProto.INT32),
-        helper.make_node("Cast", ["token_type_ids"], ["tt32"], to=TensorProto.INT32),
-        helper.make_node("Cast", ["attention_mask"], ["mask32"], to=TensorProto.INT32),
-        helper.make_node("EmbedLayerNormalization",
-                         ["ids32", "tt32", w("word", VOCAB, H), w("ptab", MAXPOS, H), w("ttab", 2, H),
-                          w("g0", H), w("b0", H), "mask32"], ["x0", "mask_index"], domain=MS, epsilon=1e-5),
-    ]
+    nodes = embed_layernorm_prologue(w, vocab=VOCAB, max_pos=MAXPOS, hidden=H)
     x = "x0"
     for i in range(LAYERS):
         if kind == "attention":

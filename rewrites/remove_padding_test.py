@@ -9,6 +9,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from testmodels import embed_layernorm_prologue
 
 from graphopt import registry
 from graphopt.metrics import compare
@@ -158,13 +159,7 @@ def _fused_encoder(mask_layout: str) -> ir.Model:
         return name
 
     ms = "com.microsoft"
-    nodes = [
-        helper.make_node("Cast", ["input_ids"], ["ids32"], to=TensorProto.INT32),
-        helper.make_node("Cast", ["token_type_ids"], ["tt32"], to=TensorProto.INT32),
-        helper.make_node("Cast", ["attention_mask"], ["mask32"], to=TensorProto.INT32),
-        helper.make_node("EmbedLayerNormalization",
-                         ["ids32", "tt32", w("word", VOCAB, H), w("ptab", MAXPOS, H), w("ttab", 2, H),
-                          w("g0", H), w("b0", H), "mask32"], ["x0", "mask_index"], domain=ms, epsilon=1e-5),
+    nodes = embed_layernorm_prologue(w, vocab=VOCAB, max_pos=MAXPOS, hidden=H) + [
         helper.make_node("Attention", ["x0", w("Wqkv", H, 3 * H), w("bqkv", 3 * H),
                                        "mask_index" if mask_layout == "eln" else "mask32"],
                          ["ctx"], domain=ms, num_heads=NH),

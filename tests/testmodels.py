@@ -78,3 +78,18 @@ def make_shared_matmuls(*, seed: int = 0, d: int = 8, layernorm: bool = False, o
     m.ir_version = 8
     onnx.checker.check_model(m, full_check=True)
     return m
+
+
+def embed_layernorm_prologue(w, *, vocab: int, max_pos: int, hidden: int) -> list[onnx.NodeProto]:
+    """The fused-encoder test models' first nodes: int64 inputs cast to int32 into EmbedLayerNormalization,
+    giving ``x0`` (embeddings) and ``mask_index``; ``mask32`` is the int32 mask. ``w(name, *shape)`` makes an
+    initializer and returns its name."""
+    return [
+        helper.make_node("Cast", ["input_ids"], ["ids32"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["token_type_ids"], ["tt32"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["attention_mask"], ["mask32"], to=TensorProto.INT32),
+        helper.make_node("EmbedLayerNormalization",
+                         ["ids32", "tt32", w("word", vocab, hidden), w("ptab", max_pos, hidden), w("ttab", 2, hidden),
+                          w("g0", hidden), w("b0", hidden), "mask32"], ["x0", "mask_index"],
+                         domain="com.microsoft", epsilon=1e-5),
+    ]
