@@ -99,6 +99,28 @@ def test_blocks_keep_the_original_weights_without_compensation(tiny):
         np.testing.assert_array_equal(wb[j], w[k * 16:(k + 1) * 16, j * 16:(j + 1) * 16])
 
 
+def test_rectangular_blocks(tiny):
+    """block_cols: 16x32 blocks (fewer, wider GEMMs); exact against the pruned dense weights, compensated."""
+    path, feeds = tiny
+    res = _call(path, feeds, pattern="blocks", sparsity=0.75, block_size=16, block_cols=32)
+    nodes = [n for n in res.model.graph if n.op_type == "BlockSparseMatMul"]
+    assert len(nodes) == 2 * len(_ffn.find(ir.load(path)))
+    wb, idx = nodes[0].inputs[1].const_value.numpy(), nodes[0].inputs[2].const_value.numpy()
+    assert idx.shape == (4, 1) and wb.shape == (4, 16, 32)  # W1 64x128: 4 output block columns keep 1 of 4
+    x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+    dense = np.zeros((64, 128), np.float32)
+    for j in range(4):
+        dense[idx[j, 0] * 16:(idx[j, 0] + 1) * 16, j * 32:(j + 1) * 32] = wb[j]
+    y = ir.Value(name="y", shape=ir.Shape([5, 128]), type=ir.TensorType(ir.DataType.FLOAT))
+    xv = ir.Value(name="x", shape=ir.Shape([5, 64]), type=ir.TensorType(ir.DataType.FLOAT))
+    consts = [ir.Value(name=v.name, const_value=v.const_value) for v in nodes[0].inputs[1:]]
+    node = ir.Node(custom_ops.DOMAIN, "BlockSparseMatMul", [xv, *consts], attributes=[ir.AttrInt64("block_size", 16)],
+                   outputs=[y])
+    m = ir.Model(ir.Graph([xv], [y], nodes=[node], initializers=consts, opset_imports={"": 17}), ir_version=10)
+    custom_ops.attach(m)
+    np.testing.assert_allclose(runtime.make_session(m).run(None, {"x": x})[0], x @ dense, rtol=1e-5, atol=1e-5)
+
+
 def test_compensation_recovers_quality(tiny):
     path, feeds = tiny
     cos = {}
@@ -159,9 +181,9 @@ def test_refusals(tiny, mlp_path):
     res = SparsifyPass()(ir.load(mlp_path), PassContext())
     assert not res.modified and res.notes[0].startswith("not applied: no FFN")
     res = _call(path, feeds, pattern="blocks", block_size=128)
-    assert not res.modified and "block_size 128" in res.notes[-1]
+    assert not res.modified and "blocks 128x128" in res.notes[-1]
     for bad in ({"pattern": "diag"}, {"sparsity": 0.5}, {"pattern": "2:4", "sparsity": 0.75}, {"block_size": 12},
-                {"scores": "random"}):
+                {"scores": "random"}, {"block_cols": 6}):
         with pytest.raises(UsageError):
             SparsifyPass(**bad)
 
