@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -176,6 +177,43 @@ def test_explicit_sparsity_that_breaks_a_given_budget_keeps_the_model(tiny):
     assert not res.modified and res.budget_met is False and any("not met" in n for n in res.notes)
 
 
+def test_cosine_lower_bound_per_sentence():
+    """The bound's mean is metrics' mean (padded and packed); it lies below it, by more for fewer sentences."""
+    rng = np.random.default_rng(0)
+    feeds, got, ref = [], [], []
+    for _ in range(3):
+        mask = (np.arange(10)[None] < rng.integers(2, 11, 8)[:, None]).astype(np.int64)
+        r = rng.standard_normal((8, 10, 16))
+        noise = rng.uniform(0.1, 0.6, (8, 1, 1)) * rng.standard_normal(r.shape)  # rows differ: a spread
+        feeds.append({"attention_mask": mask})
+        got.append({"h": r + noise})
+        ref.append({"h": r})
+    mean = compare(got, ref, feeds).worst("cosine")
+    assert _ffn.cosine_lower_bound(got, ref, feeds, 0.0)["h"] == pytest.approx(mean, abs=1e-12)
+    packed = [{"h": g["h"][f["attention_mask"].astype(bool)]} for g, f in zip(got, feeds)]
+    assert _ffn.cosine_lower_bound(packed, ref, feeds, 0.0)["h"] == pytest.approx(mean, abs=1e-12)
+    lb3 = _ffn.cosine_lower_bound(got, ref, feeds, 0.95)["h"]
+    lb1 = _ffn.cosine_lower_bound(got[:1], ref[:1], feeds[:1], 0.95)["h"]
+    assert lb3 < mean and mean - lb1 > mean - lb3 > 0.002
+    assert _ffn.bounded(compare(got, ref, feeds), got, ref, feeds, 0.95).worst("cosine") == pytest.approx(lb3)
+
+
+def test_budget_needs_the_lower_bound(tiny):
+    """A budget between the held-back lower bound and the plain mean: met only with confidence=0."""
+    path, feeds = tiny
+    res = _call(path, feeds, pattern="neurons", sparsity=0.75, compensate=False, scores="magnitude")
+    held = feeds[3:]
+    got, ref = _run(res.model, held), _run(ir.load(path), held)
+    mean = compare(got, ref, held).worst("cosine")
+    lb = min(_ffn.cosine_lower_bound(got, ref, held, 0.95).values())
+    assert lb < mean and re.search(rf"cosine {mean:.4f} \(lb {lb:.4f}\)", " ".join(res.notes))
+    budget = f"cosine>={(mean + lb) / 2:.9f}"
+    res = _call(path, feeds, budget=budget, pattern="neurons", sparsity=0.75, compensate=False, scores="magnitude")
+    assert not res.modified and res.budget_met is False
+    res = _call(path, feeds, budget=budget, pattern="neurons", sparsity=0.75, compensate=False, scores="magnitude", confidence=0.0)
+    assert res.modified and res.budget_met is True
+
+
 def test_refusals(tiny, mlp_path):
     path, feeds = tiny
     res = SparsifyPass()(ir.load(mlp_path), PassContext())
@@ -183,7 +221,8 @@ def test_refusals(tiny, mlp_path):
     res = _call(path, feeds, pattern="blocks", block_size=128)
     assert not res.modified and "blocks 128x128" in res.notes[-1]
     for bad in ({"pattern": "diag"}, {"sparsity": 0.5}, {"pattern": "2:4", "sparsity": 0.75}, {"block_size": 12},
-                {"scores": "random"}, {"block_cols": 6}):
+                {"scores": "random"}, {"block_cols": 6},
+                {"confidence": 1.0}):
         with pytest.raises(UsageError):
             SparsifyPass(**bad)
 

@@ -18,7 +18,8 @@ neither saw.
 
     python tools/bench_sparse_models.py --bert [--rounds 3]
     python tools/bench_sparse_models.py --minilm [--rounds 5]
-    python tools/bench_sparse_models.py --budget 'cosine>=0.99' [-n 96]
+    python tools/bench_sparse_models.py --budget 'cosine>=0.99' [-n 96] [--unseen 128] [--passes sparsify]
+        [--override sparsify.confidence=0]
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def minilm(rounds: int, n_sent: int) -> dict:
     return {"minilm": rows, "recall": recalls, "rounds": rounds}
 
 
-def budget_check(budget: str, n_sent: int) -> dict:
+def budget_check(budget: str, n_sent: int, passes: list[str], overrides: list[str], n_unseen: int) -> dict:
     """``graphopt optimize`` (cleanup,fuse,PASS under ``budget``) then the budget on a third, unseen set."""
     import minilm as minilm_mod
     import transformers
@@ -174,7 +175,7 @@ def budget_check(budget: str, n_sent: int) -> dict:
     from graphopt.metrics import compare, parse_budget
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_mod.source_folder())
-    sentences = workload.generate(n_sent * 2, seed=1)
+    sentences = workload.generate(n_sent + n_unseen, seed=1)
 
     def batches(ss: list[str]) -> list[dict[str, np.ndarray]]:
         out = []
@@ -188,12 +189,12 @@ def budget_check(budget: str, n_sent: int) -> dict:
     dense = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=given[:2], verify_level="structure").model
     ref = runtime.run(runtime.make_session(dense, threads=1), unseen)
     rows = []
-    for name in ("sparsify", "contextual-sparsity"):
+    for name in passes:
         t0 = time.perf_counter()
         res = pipeline.optimize(str(path), passes=f"cleanup,fuse,{name}", feeds=given, budget=budget,
-                                keep_going=True)
+                                keep_going=True, overrides=[o for o in overrides if o.startswith(name + ".")])
         rec = res.report.passes[-1]
-        row = {"pass": name, "status": rec.status, "modified": rec.modified, "seconds": round(time.perf_counter() - t0),
+        row = {"pass": name, "overrides": overrides, "status": rec.status, "modified": rec.modified, "seconds": round(time.perf_counter() - t0),
                "notes": rec.notes}
         if rec.modified and rec.status == "ok":
             got = runtime.run(runtime.make_session(res.model, threads=1), unseen)
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("-n", type=int, default=192, help="MiniLM sentences (half calibration, half held back)")
     ap.add_argument("--budget", help="graphopt optimize under this budget, then check it on unseen sentences")
+    ap.add_argument("--unseen", type=int, default=0, help="--budget: unseen sentences (default: -n)")
+    ap.add_argument("--passes", default="sparsify,contextual-sparsity", help="--budget: the passes tried")
+    ap.add_argument("--override", action="append", default=[], help="--budget: PASS.OPTION=VALUE (repeatable)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     out = {}
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.minilm:
         out.update(minilm(args.rounds, args.n))
     if args.budget:
-        out.update(budget_check(args.budget, args.n))
+        out.update(budget_check(args.budget, args.n, args.passes.split(","), args.override, args.unseen or args.n))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
