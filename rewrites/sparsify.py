@@ -36,6 +36,9 @@ missed it on unseen sentences (0.9903 held back, 0.9899 unseen, docs/benchmarks.
 ``sparsity=``
 every FFN gets that sparsity and the cost is reported (with a budget that it breaks, the model is kept).
 
+``budget_share=S`` spends only ``S`` of the budget's slack (as in ``prune-heads``), leaving the rest to a
+later lossy pass (the ``sparse-int8`` recipe: sparsify on half, then quantize).
+
 Declines (model unchanged, ``budget_met=False``, the measured table in the notes): nothing faster than dense
 meets the budget. Not applied: no FFN block with constant weights, or shapes the block size does not divide.
 """
@@ -55,6 +58,7 @@ from graphopt.feeds import calibration_feeds
 from graphopt.metrics import Budget, Comparison, compare, parse_budget
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.rewrites import _ffn
+from graphopt.rewrites.prune_heads import share
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +198,7 @@ class SparsifyPass(GraphoptPass):
 
     def __init__(self, *, pattern: str = "auto", sparsity: float = 0.0, scores: str = "wanda",
                  compensate: bool = True, block_size: int = 32, block_cols: int = 0, damp: float = 0.01,
-                 confidence: float = 0.95):
+                 confidence: float = 0.95, budget_share: float = 1.0):
         super().__init__()
         if pattern not in PATTERNS:
             raise UsageError(f"sparsify.pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}")
@@ -214,7 +218,9 @@ class SparsifyPass(GraphoptPass):
             raise UsageError(f"sparsify.damp must be > 0, got {damp}")
         if not 0.0 <= confidence < 1.0:
             raise UsageError(f"sparsify.confidence must be in [0, 1), got {confidence}")
-        self.confidence = float(confidence)
+        if not 0.0 < budget_share <= 1.0:
+            raise UsageError(f"sparsify.budget_share must be in (0, 1], got {budget_share}")
+        self.confidence, self.budget_share = float(confidence), float(budget_share)
         self.pattern, self.sparsity, self.scores = pattern, float(sparsity), scores
         self.compensate, self.block_size, self.damp = bool(compensate), int(block_size), float(damp)
         self.block_cols = int(block_cols) or self.block_size
@@ -435,6 +441,9 @@ class _Run:
         o, ctx, model = self.opts, self.ctx, self.model
         self.ffns = _ffn.find(model)
         self.budget: Budget = ctx.budget if ctx.budget else parse_budget(DEFAULT_BUDGET)
+        if o.budget_share < 1.0:
+            self.budget = share(self.budget, o.budget_share)
+            self.note(f"budget_share {o.budget_share:g}: searching under {self.budget}")
         if not self.ffns:
             self.note(_ffn.NO_FFN_NOTE)
             return PassResult(model, False, notes=self.notes)

@@ -259,3 +259,26 @@ def test_minilm_budget_holds_on_held_back_data(minilm):
     assert rec.status in ("ok", "budget-not-met"), rec.error
     if rec.modified and rec.status == "ok":
         assert rec.verification["cosine"] >= 0.99
+
+
+@pytest.mark.parametrize("name", ["sparse", "sparse-int8"])
+def test_sparse_recipes_end_to_end(tiny, name, run_cli):
+    """The builtin sparse recipes run on the tiny BERT under a budget; the result meets it and runs in stock ORT."""
+    from graphopt import pipeline, recipe
+
+    path, feeds = tiny
+    result = pipeline.optimize(str(path), recipe.load(name), feeds=feeds, budget="cosine>=0.95", keep_going=True)
+    recs = {r.name: r for r in result.report.passes}
+    assert list(recs) == recipe.load(name).pass_names()
+    assert recs["sparsify"].status == "ok" and recs["sparsify"].modified, recs["sparsify"].notes
+    counts = recs["sparsify"].rule_counts
+    assert set(counts) <= {"neurons", "blocks"} and sum(counts.values()) == 2  # both FFNs, a faster form
+    if name == "sparse-int8":
+        assert counts == {"neurons": 2}
+        assert any(n.startswith("budget_share 0.5: searching under cosine>=0.975") for n in recs["sparsify"].notes)
+        assert recs["quantize"].status in ("ok", "budget-not-met")
+    held = feeds[3:]
+    got = compare(runtime.run(runtime.make_session(result.model), held), _run(ir.load(path), held), held)
+    assert got.worst("cosine") >= 0.95
+    code, out, _ = run_cli("passes")
+    assert code == 0 and name in out
