@@ -3,9 +3,11 @@
     X ──MatMul(W1[H, F])──▶ (Add b1) ──▶ Gelu | com.microsoft BiasGelu(·, b1) | FastGelu(·, b1?) ──▶ A
     A ──MatMul(W2[F, H])──▶ …
 
-Found on unfused exports (dynamo: MatMul → Add → Gelu → MatMul), fused graphs (MatMul → BiasGelu →
-MatMul) and after ``remove-padding`` (packed tokens ``[N, H]``). Every intermediate value must have one
-reader (nothing else sees the F-wide activations), else the block is skipped.
+Found on unfused exports (dynamo: MatMul → Add → Gelu → MatMul; TorchScript: the GELU written out as
+``z * 0.5 * (1 + Erf(z / √2))``, five elementwise nodes with scalar constants, see :func:`erf_gelu`),
+fused graphs (MatMul → BiasGelu → MatMul) and after ``remove-padding`` (packed tokens ``[N, H]``). Every
+intermediate value must be read only inside the block (nothing else sees the F-wide activations), else the
+block is skipped.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class FFN:
     act: ir.Node
     mm2: ir.Node
     bias: ir.Value | None  # the constant b1 (an Add input or the activation's second input)
+    #: every node of the activation, in graph order, ``act`` last: ``(act,)`` for one op, five for the Erf form
+    act_nodes: tuple[ir.Node, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.act_nodes:
+            self.act_nodes = (self.act,)
 
     @property
     def key(self) -> str:
@@ -95,11 +103,14 @@ def find(model: ir.Model) -> list[FFN]:
                 continue
             add1, bias = nxt, other
             nxt = _only_reader(nxt.outputs[0])
-        if nxt is None or (node_domain(nxt), nxt.op_type) not in ACTIVATIONS or nxt.inputs[0] is not (
-                add1 or mm1).outputs[0]:
+        z = (add1 or mm1).outputs[0]
+        chain = erf_gelu(z) if nxt is None else None
+        if chain is not None:
+            nxt = chain[-1]
+        elif nxt is None or (node_domain(nxt), nxt.op_type) not in ACTIVATIONS or nxt.inputs[0] is not z:
             continue
         act = nxt
-        if len(act.inputs) > 1 and act.inputs[1] is not None:
+        if chain is None and len(act.inputs) > 1 and act.inputs[1] is not None:
             if bias is not None or not _const(act.inputs[1], 1):
                 continue
             bias = act.inputs[1]
@@ -107,11 +118,68 @@ def find(model: ir.Model) -> list[FFN]:
         if mm2 is None or mm2.op_type != "MatMul" or mm2.inputs[0] is not act.outputs[0] or not _const(
                 mm2.inputs[1], 2):
             continue
-        f = FFN(mm1, add1, act, mm2, bias)
+        f = FFN(mm1, add1, act, mm2, bias, chain or (act,))
         if f.w2.shape[0] != f.width or (f.b1 is not None and f.b1.shape[0] != f.width):
             continue
         out.append(f)
     return out
+
+
+def _scalar(v: ir.Value | None) -> float | None:
+    """The value of a one-element constant (initializer or Constant node output), else None."""
+    t = None if v is None else ir.convenience.get_const_tensor(v)
+    if t is None:
+        return None
+    a = t.numpy()
+    return float(a.reshape(-1)[0]) if a.size == 1 else None
+
+
+def _other(node: ir.Node, v: ir.Value) -> ir.Value | None:
+    """The other input of a two-input node that reads ``v`` once."""
+    ins = list(node.inputs)
+    if len(ins) != 2 or ins.count(v) != 1:
+        return None
+    return ins[1] if ins[0] is v else ins[0]
+
+
+def erf_gelu(z: ir.Value) -> tuple[ir.Node, ...] | None:
+    """The nodes of ``GELU(z)`` written out with Erf (TorchScript exports), in graph order, or None.
+
+    Accepted: ``Erf(z / √2 | z * (1/√2))``, ``+ 1``, and the products with ``z`` and ``0.5`` in either order
+    (``(z * (1 + e)) * 0.5`` or ``(z * 0.5) * (1 + e)``); every constant a scalar within 1e-3; ``z`` read
+    only by the chain, every value inside it read once (nothing else sees the F-wide activations).
+    """
+    if z.is_graph_output():
+        return None
+    readers = [n for n, _ in z.uses()]
+    if len(readers) != 2 or any(node_domain(n) != "" for n in readers):
+        return None
+
+    def near(v: ir.Value | None, want: float) -> bool:
+        c = _scalar(v)
+        return c is not None and abs(c - want) <= 1e-3 * abs(want)
+
+    scale = next((n for n in readers if (n.op_type == "Div" and n.inputs[0] is z and near(n.inputs[1], 2 ** 0.5))
+                  or (n.op_type == "Mul" and near(_other(n, z), 2 ** -0.5))), None)
+    mul_z = next((n for n in readers if n is not scale and n.op_type == "Mul"), None)
+    if scale is None or mul_z is None:
+        return None
+    erf = _only_reader(scale.outputs[0])
+    one = None if erf is None or erf.op_type != "Erf" else _only_reader(erf.outputs[0])
+    if one is None or one.op_type != "Add" or not near(_other(one, erf.outputs[0]), 1.0):
+        return None
+    last = _only_reader(mul_z.outputs[0])
+    if last is None or last.op_type != "Mul":
+        return None
+    if _other(mul_z, z) is one.outputs[0]:            # (z * (1 + e)) * 0.5
+        ok = _only_reader(one.outputs[0]) is mul_z and near(_other(last, mul_z.outputs[0]), 0.5)
+    else:                                              # (z * 0.5) * (1 + e)
+        ok = near(_other(mul_z, z), 0.5) and _other(last, mul_z.outputs[0]) is one.outputs[0] and (
+            _only_reader(one.outputs[0]) is last)
+    if not ok:
+        return None
+    chain = {scale, erf, one, mul_z, last}
+    return tuple(n for n in z.graph if n in chain) if z.graph is not None else None
 
 
 def gelu(z: np.ndarray) -> np.ndarray:

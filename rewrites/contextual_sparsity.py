@@ -180,19 +180,31 @@ class _Run:
             b_sel = None if f.b1 is None else t.op("Gather", [f.bias, rows], attributes={"axis": 0})
             if f.add1 is not None:
                 h = t.op("Add", [h, b_sel])
-            act_inputs = [h] + ([b_sel] if f.add1 is None and b_sel is not None else [])
-            act = ir.Node(node_domain(f.act), f.act.op_type, act_inputs,
-                          attributes=[ir.Attr(a_.name, a_.type, a_.value) for a_ in f.act.attributes.values()])
+            if len(f.act_nodes) == 1:
+                act_inputs = [h] + ([b_sel] if f.add1 is None and b_sel is not None else [])
+                act = ir.Node(node_domain(f.act), f.act.op_type, act_inputs,
+                              attributes=[ir.Attr(a_.name, a_.type, a_.value) for a_ in f.act.attributes.values()])
+                new_act, old_act, a_out = [act], [f.act], act.outputs[0]
+            else:  # GELU written out (Erf form): its elementwise nodes stay, reading the reduced h
+                z = (f.add1 or f.mm1).outputs[0]
+                for node in f.act_nodes:
+                    for j, v_in in enumerate(node.inputs):
+                        if v_in is z:
+                            node.replace_input_with(j, h)
+                    node.outputs[0].shape = None
+                new_act, old_act, a_out = [], [], f.act.outputs[0]
             t2 = ir.tape.Tape()
             w2 = t2.op("Gather", [const(f.w2, "w2"), rows], attributes={"axis": 0})
-            y = t2.op("MatMul", [act.outputs[0], w2])
+            y = t2.op("MatMul", [a_out, w2])
             y.shape, y.type = f.mm2.outputs[0].shape, f.mm2.outputs[0].type
-            for node in (*t.nodes, act, *t2.nodes):
+            for node in (*t.nodes, *new_act):
                 graph.insert_before(f.mm1, node)
+            for node in t2.nodes:
+                graph.insert_before(f.mm2, node)
             old = f.mm2.outputs[0]
             old.replace_all_uses_with(y)
             name = old.name
-            for node in (f.mm2, f.act, *([f.add1] if f.add1 else []), f.mm1):
+            for node in (f.mm2, *old_act, *([f.add1] if f.add1 else []), f.mm1):
                 graph.remove(node, safe=True)
             y.name = name
             for n in list(graph.initializers):

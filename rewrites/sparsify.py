@@ -326,7 +326,8 @@ class _Run:
                         idx = list(node.inputs).index(f.bias)
                         _ffn.replace_const(node, idx, lay.b1, _ffn.unique_name(graph, f"{f.key}_b1_sparse"))
                     width = lay.w1.shape[1]
-                    for v in (f.mm1.outputs[0], *(f.add1.outputs if f.add1 else ()), f.act.outputs[0]):
+                    for v in (f.mm1.outputs[0], *(f.add1.outputs if f.add1 else ()),
+                              *(n.outputs[0] for n in f.act_nodes)):
                         _ffn.set_width(v, width)
                 continue
             for mm, w, keep, tag in ((f.mm1, lay.w1, lay.keep1, "w1"), (f.mm2, lay.w2, lay.keep2, "w2")):

@@ -282,3 +282,106 @@ def test_sparse_recipes_end_to_end(tiny, name, run_cli):
     assert got.worst("cosine") >= 0.95
     code, out, _ = run_cli("passes")
     assert code == 0 and name in out
+
+
+def _erf_ffn_model(gelu: str, seed: int = 0) -> ir.Model:
+    """x[B, S, 16] → MatMul W1[16, 32] → Add b1 → GELU → MatMul W2[32, 16] → + x. ``gelu``: ``op`` (one Gelu, opset
+    20), ``erf`` (TorchScript's ``(z * (1 + Erf(z / √2))) * 0.5``, Constant nodes) or ``erf-half-first``
+    (``(z * 0.5) * (1 + Erf(z * (1/√2)))``)."""
+    import onnx
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+    inits = [nh.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w1"),
+             nh.from_array(rng.standard_normal(32).astype(np.float32), "b1"),
+             nh.from_array(rng.standard_normal((32, 16)).astype(np.float32) / 4, "w2")]
+
+    def c(name: str, v: float):
+        return h.make_node("Constant", [], [name], value=nh.from_array(np.array(v, np.float32)))
+
+    nodes = [h.make_node("MatMul", ["x", "w1"], ["m"]), h.make_node("Add", ["b1", "m"], ["z"])]
+    if gelu == "op":
+        nodes.append(h.make_node("Gelu", ["z"], ["a"]))
+    elif gelu == "erf":
+        nodes += [c("sq2", 2 ** 0.5), h.make_node("Div", ["z", "sq2"], ["d"]), h.make_node("Erf", ["d"], ["e"]),
+                  c("one", 1.0), h.make_node("Add", ["e", "one"], ["p"]), h.make_node("Mul", ["z", "p"], ["q"]),
+                  c("half", 0.5), h.make_node("Mul", ["q", "half"], ["a"])]
+    else:
+        nodes += [c("isq2", 2 ** -0.5), h.make_node("Mul", ["isq2", "z"], ["d"]), h.make_node("Erf", ["d"], ["e"]),
+                  c("one", 1.0), h.make_node("Add", ["one", "e"], ["p"]), c("half", 0.5),
+                  h.make_node("Mul", ["z", "half"], ["q"]), h.make_node("Mul", ["p", "q"], ["a"])]
+    nodes += [h.make_node("MatMul", ["a", "w2"], ["f"]), h.make_node("Add", ["f", "x"], ["y"])]  # + residual
+    graph = h.make_graph(nodes, "ffn", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", "S", 16])],
+                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", "S", 16])], initializer=inits)
+    return ir.serde.deserialize_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)], ir_version=9))
+
+
+def _x_feeds(n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((2, 3, 16)).astype(np.float32)} for _ in range(n)]
+
+
+@pytest.mark.parametrize("gelu", ["erf", "erf-half-first"])
+def test_erf_gelu_ffn_found_and_sparsified(gelu):
+    """GELU written out with Erf (TorchScript): the FFN is found (5 activation nodes), and sparsify/
+    contextual-sparsity rewrite it exactly as they rewrite the same FFN with one Gelu op."""
+    from graphopt.rewrites.contextual_sparsity import ContextualSparsityPass
+
+    ffns = _ffn.find(_erf_ffn_model(gelu))
+    assert len(ffns) == 1 and ffns[0].add1 is not None and ffns[0].b1.shape == (32,)
+    assert sorted(n.op_type for n in ffns[0].act_nodes) == sorted(["Add", "Div" if gelu == "erf" else "Mul", "Erf",
+                                                                    "Mul", "Mul"])
+    feeds = _x_feeds(4)
+    ctx = PassContext(calib_feeds=feeds[:2], feeds=feeds[2:])
+    for make in (lambda: SparsifyPass(pattern="neurons", sparsity=0.5, compensate=False),
+                 lambda: ContextualSparsityPass(keep=0.25, rank=8)):
+        outs = []
+        for form in (gelu, "op"):
+            res = make()(_erf_ffn_model(form), ctx)
+            assert res.modified, res.notes
+            outs.append(_run(res.model, feeds)[0]["y"])
+            if form != "op":
+                assert _ops(res.model)["Erf"] == 1
+        np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    # the dense FFN itself still equals numpy's GELU FFN (the chain is a GELU)
+    m = _erf_ffn_model(gelu)
+    w = {v.name: v.const_value.numpy() for v in m.graph.initializers.values()}
+    want = _ffn.gelu(feeds[0]["x"] @ w["w1"] + w["b1"]) @ w["w2"] + feeds[0]["x"]
+    np.testing.assert_allclose(_run(m, feeds[:1])[0]["y"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_erf_chain_read_elsewhere_is_not_an_ffn():
+    """The pre-activation also read outside the chain: not an FFN (nothing else may see it)."""
+    m = _erf_ffn_model("erf")
+    z = next(n for n in m.graph if n.op_type == "Add").outputs[0]
+    extra = ir.Node("", "Identity", [z], name="tap")
+    m.graph.append(extra)
+    m.graph.outputs.append(extra.outputs[0])
+    extra.outputs[0].name = "tap"
+    assert _ffn.find(m) == []
+    assert _ffn.find(_erf_ffn_model("erf")) != []
+
+
+@pytest.mark.slow
+def test_minilm_torchscript_erf_gelu(minilm):
+    """The unfused TorchScript MiniLM (GELU as Div/Erf/Add/Mul/Mul): 6 FFNs found; sparsify and
+    contextual-sparsity rewrite all of them and the results run in stock ORT."""
+    from graphopt.rewrites.contextual_sparsity import ContextualSparsityPass
+
+    path = minilm("torchscript", "eager")
+    model = ir.load(path)
+    ffns = _ffn.find(model)
+    assert len(ffns) == 6 and all(len(f.act_nodes) == 5 and f.w1.shape == (384, 1536) for f in ffns)
+    feeds = _feeds(path, n=4, seed=2)
+    ctx = PassContext(calib_feeds=feeds[:2], feeds=feeds[2:])
+    ref = _run(model, feeds[2:])
+    res = SparsifyPass(pattern="neurons", sparsity=0.25, compensate=False)(ir.load(path), ctx)
+    assert res.modified and res.rule_counts == {"neurons": 6}
+    assert [f.w1.shape for f in _ffn.find(res.model)] == [(384, 1152)] * 6
+    got = compare(runtime.run(runtime.make_session(res.model), feeds[2:]), ref, feeds[2:])
+    assert f"held-back cosine {got.worst('cosine'):.4f}" in " ".join(res.notes) and got.worst("cosine") > 0.5
+    res = ContextualSparsityPass(keep=0.5)(ir.load(path), ctx)
+    assert res.modified and res.rule_counts == {"ffn": 6} and _ops(res.model)["Erf"] == 6
+    got = compare(runtime.run(runtime.make_session(res.model), feeds[2:]), ref, feeds[2:])
+    assert got.worst("cosine") > 0.9
