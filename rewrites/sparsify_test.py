@@ -335,6 +335,7 @@ def test_erf_gelu_ffn_found_and_sparsified(gelu):
     feeds = _x_feeds(4)
     ctx = PassContext(calib_feeds=feeds[:2], feeds=feeds[2:])
     for make in (lambda: SparsifyPass(pattern="neurons", sparsity=0.5, compensate=False),
+                 lambda: SparsifyPass(pattern="blocks", sparsity=0.5, block_size=8, compensate=False),
                  lambda: ContextualSparsityPass(keep=0.25, rank=8)):
         outs = []
         for form in (gelu, "op"):

@@ -17,7 +17,7 @@ calibrates on half and confirms on the other half), then the result is checked o
 neither saw.
 
     python tools/bench_sparse_models.py --bert [--rounds 3]
-    python tools/bench_sparse_models.py --minilm [--rounds 5]
+    python tools/bench_sparse_models.py --minilm [--rounds 5] [--only blocks-75,blocks32x128-75,contextual]
     python tools/bench_sparse_models.py --budget 'cosine>=0.99' [-n 96] [--unseen 128] [--passes sparsify]
         [--override sparsify.confidence=0]
 """
@@ -79,7 +79,13 @@ def bert_base(rounds: int, batch: int, seq: int) -> dict:
     return {"bert_base": rows, "batch": batch, "seq": seq, "rounds": rounds}
 
 
-def minilm(rounds: int, n_sent: int) -> dict:
+#: --minilm variants: name -> (pattern, sparsity, extra sparsify options)
+MINILM_SPECS = {"neurons-25": ("neurons", 0.25, {}), "neurons-50": ("neurons", 0.5, {}),
+                "blocks-75": ("blocks", 0.75, {}), "blocks32x128-75": ("blocks", 0.75, {"block_cols": 128}),
+                "2:4": ("2:4", 0.5, {}), "unstructured-50": ("unstructured", 0.5, {})}
+
+
+def minilm(rounds: int, n_sent: int, only: list[str] | None = None) -> dict:
     import minilm as minilm_mod
     import onnx_ir as ir
     import transformers
@@ -126,19 +132,20 @@ def minilm(rounds: int, n_sent: int) -> dict:
     variants: dict[str, ir.Model] = {}
     rows = []
     ctx = PassContext(calib_feeds=calib, feeds=held[:2])
-    specs = [("neurons", 0.25), ("neurons", 0.5), ("blocks", 0.75), ("2:4", 0.5), ("unstructured", 0.5)]
-    for pattern, s in specs:
+    specs = [v for k, v in MINILM_SPECS.items() if only is None or k in only]
+    for pattern, s, extra in specs:
         for comp in (False, True):
             t0 = time.perf_counter()
-            res = SparsifyPass(pattern=pattern, sparsity=s, compensate=comp)(dense.clone(), ctx)
-            name = f"{pattern} {s:.0%}" + (" +comp" if comp else "")
+            res = SparsifyPass(pattern=pattern, sparsity=s, compensate=comp, **extra)(dense.clone(), ctx)
+            shape = f" 32x{extra['block_cols']}" if "block_cols" in extra else ""
+            name = f"{pattern}{shape} {s:.0%}" + (" +comp" if comp else "")
             cos, tmin = emb_cos(res.model)
             rows.append({"variant": name, "emb_cos": round(cos, 4), "token_cos_min": round(tmin, 4),
                          "pass_seconds": round(time.perf_counter() - t0, 1)})
             variants[name] = res.model
             print(rows[-1], flush=True)
     recalls = {}
-    for keep in (0.5, 0.25):
+    for keep in (0.5, 0.25) if only is None or "contextual" in only else ():
         res = ContextualSparsityPass(keep=keep)(dense.clone(), ctx)
         name = f"contextual keep {keep:.0%}"
         cos, tmin = emb_cos(res.model)
@@ -218,13 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unseen", type=int, default=0, help="--budget: unseen sentences (default: -n)")
     ap.add_argument("--passes", default="sparsify,contextual-sparsity", help="--budget: the passes tried")
     ap.add_argument("--override", action="append", default=[], help="--budget: PASS.OPTION=VALUE (repeatable)")
+    ap.add_argument("--only", help="--minilm: these variants only (" + ",".join(MINILM_SPECS) + ",contextual)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     out = {}
     if args.bert:
         out.update(bert_base(args.rounds, args.batch, args.seq))
     if args.minilm:
-        out.update(minilm(args.rounds, args.n))
+        out.update(minilm(args.rounds, args.n, args.only.split(",") if args.only else None))
     if args.budget:
         out.update(budget_check(args.budget, args.n, args.passes.split(","), args.override, args.unseen or args.n))
     if args.json:
