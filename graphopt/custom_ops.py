@@ -5,11 +5,19 @@ inlined at load. Each op is defined once here; :func:`attach` adds the functions
 ``ai.graphopt`` opset import.
 
 ``BlockSparseMatMul(X, W_blocks, block_index; block_size)`` — ``X @ W`` for a weight ``W[K, N]`` pruned to
-balanced ``b x b`` blocks: every output block column ``j`` keeps the same number ``kb`` of input blocks,
-``block_index[j, :]`` (int64, ``[N/b, kb]``), whose values are ``W_blocks[j]`` (``[N/b, kb*b, b]``)::
+balanced ``b x bn`` blocks (``b = block_size`` rows of K; ``bn``, the width of an output block column, is
+``W_blocks``'s last dimension: square blocks or wider ones): every output block column ``j`` keeps the same
+number ``kb`` of input blocks, ``block_index[j, :]`` (int64, ``[N/bn, kb]``), whose values are ``W_blocks[j]``
+(``[N/bn, kb*b, bn]``)::
 
-    X [.., K] ─Reshape─▶ [M, K/b, b] ─Gather(axis 1, block_index)─▶ [M, N/b, kb, b] ─Reshape─▶ [M, N/b, kb*b]
-      ─Transpose─▶ [N/b, M, kb*b] ─MatMul(W_blocks)─▶ [N/b, M, b] ─Transpose─▶ [M, N/b, b] ─Reshape─▶ [.., N]
+    X [.., K] ─Flatten─▶ [M, K] ─Reshape─▶ [M, K/b, b] ─Gather(axis 1, block_index)─▶ [M, N/bn, kb, b]
+      ─Reshape─▶ [M, N/bn, kb*b] ─Transpose─▶ [N/bn, M, kb*b] ─MatMul(W_blocks)─▶ [N/bn, M, bn]
+      ─Transpose─▶ [M, N/bn, bn] ─Reshape─▶ [.., N]
+
+The reshape targets are constants (ORT folds them at load) but the last, which needs X's leading shape:
+per call the body runs 7 kernels besides two small shape ops. Wider blocks mean fewer, larger GEMMs in the
+batched MatMul: at 75% on MiniLM's FFN shapes, 32x128 blocks are ~2x dense at M = 1..128 where 32x32
+blocks are 1.5-1.8x (docs/benchmarks.md).
 
 ``NMSparseMatMul(X, values, positions; n, m)`` — ``X @ W`` for ``W[K, N]`` with ``n`` of every ``m``
 consecutive weights along K kept (2:4): ``values[K/m, n, N]`` (float) and ``positions[K/m, n, N]`` (uint8,
@@ -48,15 +56,14 @@ def block_sparse_matmul(opset: int = BODY_OPSET) -> ir.Function:
     idx = ir.Value(name="block_index")
     t = ir.tape.Tape()
     b = _ref_int(t, "block_size")
-    k = t.op("Shape", [x], attributes={"start": -1})
+    x2 = t.op("Flatten", [x], attributes={"axis": -1})                          # [M, K]
+    x3 = t.op("Reshape", [x2, t.op("Concat", [_ints(t, [0, -1]), b], attributes={"axis": 0})])  # [M, K/b, b]
+    g = t.op("Gather", [x3, idx], attributes={"axis": 1})                       # [M, N/bn, kb, b]
+    g2 = t.op("Reshape", [g, _ints(t, [0, 0, -1])])                              # [M, N/bn, kb*b]
+    g3 = t.op("Transpose", [g2], attributes={"perm": [1, 0, 2]})                # [N/bn, M, kb*b]
+    y3 = t.op("MatMul", [g3, wb])                                               # [N/bn, M, bn]
+    y4 = t.op("Transpose", [y3], attributes={"perm": [1, 0, 2]})                # [M, N/bn, bn]
     lead = t.op("Shape", [x], attributes={"end": -1})
-    x2 = t.op("Reshape", [x, t.op("Concat", [_ints(t, [-1]), k], attributes={"axis": 0})])
-    x3 = t.op("Reshape", [x2, t.op("Concat", [_ints(t, [0, -1]), b], attributes={"axis": 0})])
-    g = t.op("Gather", [x3, idx], attributes={"axis": 1})
-    g2 = t.op("Reshape", [g, _ints(t, [0, 0, -1])])
-    g3 = t.op("Transpose", [g2], attributes={"perm": [1, 0, 2]})
-    y3 = t.op("MatMul", [g3, wb])
-    y4 = t.op("Transpose", [y3], attributes={"perm": [1, 0, 2]})
     y = t.op("Reshape", [y4, t.op("Concat", [lead, _ints(t, [-1])], attributes={"axis": 0})])
     y.name = "Y"
     graph = ir.Graph([x, wb, idx], [y], nodes=t.nodes, opset_imports={"": opset}, name="BlockSparseMatMul")
@@ -119,17 +126,22 @@ def attach(model: ir.Model, ops: Iterable[str] | None = None) -> list[str]:
 # ------------------------------------------------------------------ packing (numpy): weights -> op inputs
 
 
-def pack_blocks(w: np.ndarray, keep: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """``W[K, N]`` and a balanced block mask ``keep[K/b, N/b]`` -> ``(W_blocks, block_index)``."""
+def pack_blocks(w: np.ndarray, keep: np.ndarray, block: int, block_cols: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``W[K, N]`` and a balanced block mask ``keep[K/b, N/bn]`` -> ``(W_blocks, block_index)``.
+
+    ``block`` is ``b``, the rows of a block; ``block_cols`` its columns ``bn`` (default: square blocks).
+    """
+    bn = block if block_cols is None else block_cols
     kb_n, nb = keep.shape
     counts = keep.sum(axis=0)
     if len(set(counts.tolist())) != 1:
         raise ValueError(f"block mask is not balanced: kept blocks per column block {sorted(set(counts.tolist()))}")
     kb = int(counts[0])
     idx = np.stack([np.flatnonzero(keep[:, j]) for j in range(nb)]).astype(np.int64).reshape(nb, kb)
-    w4 = w.reshape(kb_n, block, nb, block).transpose(2, 0, 1, 3)            # [NB, KB, b, b]
-    wb = np.take_along_axis(w4, idx[:, :, None, None], axis=1)               # [NB, kb, b, b]
-    return np.ascontiguousarray(wb.reshape(nb, kb * block, block), dtype=w.dtype), idx
+    w4 = w.reshape(kb_n, block, nb, bn).transpose(2, 0, 1, 3)               # [NB, KB, b, bn]
+    wb = np.take_along_axis(w4, idx[:, :, None, None], axis=1)               # [NB, kb, b, bn]
+    return np.ascontiguousarray(wb.reshape(nb, kb * block, bn), dtype=w.dtype), idx
 
 
 def pack_nm(w: np.ndarray, keep: np.ndarray, n: int = 2, m: int = 4) -> tuple[np.ndarray, np.ndarray]:

@@ -3,9 +3,11 @@
     X ──MatMul(W1[H, F])──▶ (Add b1) ──▶ Gelu | com.microsoft BiasGelu(·, b1) | FastGelu(·, b1?) ──▶ A
     A ──MatMul(W2[F, H])──▶ …
 
-Found on unfused exports (dynamo: MatMul → Add → Gelu → MatMul), fused graphs (MatMul → BiasGelu →
-MatMul) and after ``remove-padding`` (packed tokens ``[N, H]``). Every intermediate value must have one
-reader (nothing else sees the F-wide activations), else the block is skipped.
+Found on unfused exports (dynamo: MatMul → Add → Gelu → MatMul; TorchScript: the GELU written out as
+``z * 0.5 * (1 + Erf(z / √2))``, five elementwise nodes with scalar constants, see :func:`erf_gelu`),
+fused graphs (MatMul → BiasGelu → MatMul) and after ``remove-padding`` (packed tokens ``[N, H]``). Every
+intermediate value must be read only inside the block (nothing else sees the F-wide activations), else the
+block is skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.metrics import Comparison, find_mask
 from graphopt.opsets import node_domain
 from graphopt.rewrites import _quant_calib as calib_mod
 
@@ -31,6 +34,12 @@ class FFN:
     act: ir.Node
     mm2: ir.Node
     bias: ir.Value | None  # the constant b1 (an Add input or the activation's second input)
+    #: every node of the activation, in graph order, ``act`` last: ``(act,)`` for one op, five for the Erf form
+    act_nodes: tuple[ir.Node, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.act_nodes:
+            self.act_nodes = (self.act,)
 
     @property
     def key(self) -> str:
@@ -94,11 +103,14 @@ def find(model: ir.Model) -> list[FFN]:
                 continue
             add1, bias = nxt, other
             nxt = _only_reader(nxt.outputs[0])
-        if nxt is None or (node_domain(nxt), nxt.op_type) not in ACTIVATIONS or nxt.inputs[0] is not (
-                add1 or mm1).outputs[0]:
+        z = (add1 or mm1).outputs[0]
+        chain = erf_gelu(z) if nxt is None else None
+        if chain is not None:
+            nxt = chain[-1]
+        elif nxt is None or (node_domain(nxt), nxt.op_type) not in ACTIVATIONS or nxt.inputs[0] is not z:
             continue
         act = nxt
-        if len(act.inputs) > 1 and act.inputs[1] is not None:
+        if chain is None and len(act.inputs) > 1 and act.inputs[1] is not None:
             if bias is not None or not _const(act.inputs[1], 1):
                 continue
             bias = act.inputs[1]
@@ -106,11 +118,68 @@ def find(model: ir.Model) -> list[FFN]:
         if mm2 is None or mm2.op_type != "MatMul" or mm2.inputs[0] is not act.outputs[0] or not _const(
                 mm2.inputs[1], 2):
             continue
-        f = FFN(mm1, add1, act, mm2, bias)
+        f = FFN(mm1, add1, act, mm2, bias, chain or (act,))
         if f.w2.shape[0] != f.width or (f.b1 is not None and f.b1.shape[0] != f.width):
             continue
         out.append(f)
     return out
+
+
+def _scalar(v: ir.Value | None) -> float | None:
+    """The value of a one-element constant (initializer or Constant node output), else None."""
+    t = None if v is None else ir.convenience.get_const_tensor(v)
+    if t is None:
+        return None
+    a = t.numpy()
+    return float(a.reshape(-1)[0]) if a.size == 1 else None
+
+
+def _other(node: ir.Node, v: ir.Value) -> ir.Value | None:
+    """The other input of a two-input node that reads ``v`` once."""
+    ins = list(node.inputs)
+    if len(ins) != 2 or ins.count(v) != 1:
+        return None
+    return ins[1] if ins[0] is v else ins[0]
+
+
+def erf_gelu(z: ir.Value) -> tuple[ir.Node, ...] | None:
+    """The nodes of ``GELU(z)`` written out with Erf (TorchScript exports), in graph order, or None.
+
+    Accepted: ``Erf(z / √2 | z * (1/√2))``, ``+ 1``, and the products with ``z`` and ``0.5`` in either order
+    (``(z * (1 + e)) * 0.5`` or ``(z * 0.5) * (1 + e)``); every constant a scalar within 1e-3; ``z`` read
+    only by the chain, every value inside it read once (nothing else sees the F-wide activations).
+    """
+    if z.is_graph_output():
+        return None
+    readers = [n for n, _ in z.uses()]
+    if len(readers) != 2 or any(node_domain(n) != "" for n in readers):
+        return None
+
+    def near(v: ir.Value | None, want: float) -> bool:
+        c = _scalar(v)
+        return c is not None and abs(c - want) <= 1e-3 * abs(want)
+
+    scale = next((n for n in readers if (n.op_type == "Div" and n.inputs[0] is z and near(n.inputs[1], 2 ** 0.5))
+                  or (n.op_type == "Mul" and near(_other(n, z), 2 ** -0.5))), None)
+    mul_z = next((n for n in readers if n is not scale and n.op_type == "Mul"), None)
+    if scale is None or mul_z is None:
+        return None
+    erf = _only_reader(scale.outputs[0])
+    one = None if erf is None or erf.op_type != "Erf" else _only_reader(erf.outputs[0])
+    if one is None or one.op_type != "Add" or not near(_other(one, erf.outputs[0]), 1.0):
+        return None
+    last = _only_reader(mul_z.outputs[0])
+    if last is None or last.op_type != "Mul":
+        return None
+    if _other(mul_z, z) is one.outputs[0]:            # (z * (1 + e)) * 0.5
+        ok = _only_reader(one.outputs[0]) is mul_z and near(_other(last, mul_z.outputs[0]), 0.5)
+    else:                                              # (z * 0.5) * (1 + e)
+        ok = near(_other(mul_z, z), 0.5) and _other(last, mul_z.outputs[0]) is one.outputs[0] and (
+            _only_reader(one.outputs[0]) is last)
+    if not ok:
+        return None
+    chain = {scale, erf, one, mul_z, last}
+    return tuple(n for n in z.graph if n in chain) if z.graph is not None else None
 
 
 def gelu(z: np.ndarray) -> np.ndarray:
@@ -181,3 +250,79 @@ def first_passing(n: int, ok) -> int | None:
         else:
             lo = mid + 1
     return lo if lo < n and ok(lo) else None
+
+
+def _row_cosines(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None) -> list[tuple[float, int]]:
+    """Per batch row: (sum of the cosines of its real samples, their count); [] for a rank-0/1 output."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if ref.ndim < 2 or ref.dtype.kind not in "f":
+        return []
+    if mask is not None and ref.ndim == got.ndim + 1 and ref.shape[:2] == mask.shape:  # packed [tokens, ...]
+        ends = np.cumsum(mask.astype(bool).sum(axis=1))
+        rows_got = np.split(got.reshape(got.shape[0], -1) if got.ndim > 2 else got, ends[:-1])
+        rows_ref = [r[m.astype(bool)] for r, m in zip(ref, mask)]
+    elif got.shape != ref.shape:
+        return []
+    elif ref.ndim == 2:  # [batch, features]: one sample per row
+        rows_got, rows_ref = list(got[:, None, :]), list(ref[:, None, :])
+    else:
+        m = mask.astype(bool) if mask is not None and ref.shape[:2] == mask.shape else None
+        rows_got = [g.reshape(-1, g.shape[-1]) if m is None else g[m[i]] for i, g in enumerate(got)]
+        rows_ref = [r.reshape(-1, r.shape[-1]) if m is None else r[m[i]] for i, r in enumerate(ref)]
+    out = []
+    for g, r in zip(rows_got, rows_ref):
+        if not len(r):
+            continue
+        den = np.linalg.norm(g, axis=-1) * np.linalg.norm(r, axis=-1)
+        cos = np.where(den > 0, np.sum(g * r, axis=-1) / np.where(den > 0, den, 1.0), 1.0)
+        out.append((float(np.sum(cos)), len(r)))
+    return out
+
+
+def cosine_lower_bound(got: Sequence[Mapping[str, np.ndarray]], ref: Sequence[Mapping[str, np.ndarray]],
+                       feeds: Sequence[Mapping[str, np.ndarray]], confidence: float) -> dict[str, float]:
+    """Per output: a one-sided lower confidence bound (at ``confidence``) of the mean sample cosine.
+
+    The mean is the one ``graphopt.metrics`` reports (over the real samples, e.g. tokens); the samples of
+    one batch row (a sentence) are not independent, so the rows are the units: a ratio estimator
+    (cosine sum over sample count) with its row-clustered standard error and a Student t quantile on
+    ``rows - 1`` degrees of freedom. Fewer than two rows: the plain mean.
+    """
+    from scipy.stats import t as student_t
+
+    rows: dict[str, list[tuple[float, int]]] = {}
+    for g, r, f in zip(got, ref, feeds):
+        mask = find_mask(f)
+        for name in r:
+            if name in g:
+                rows.setdefault(name, []).extend(_row_cosines(g[name], r[name], mask))
+    out = {}
+    for name, rs in rows.items():
+        s = np.array([a for a, _ in rs])
+        n = np.array([b for _, b in rs], np.float64)
+        if not len(rs):
+            continue
+        mean = float(s.sum() / n.sum())
+        if len(rs) < 2 or confidence <= 0:
+            out[name] = mean
+            continue
+        e = s - mean * n
+        se = float(np.sqrt(len(rs) / (len(rs) - 1) * np.sum(e ** 2)) / n.sum())
+        out[name] = mean - float(student_t.ppf(confidence, len(rs) - 1)) * se
+    return out
+
+
+def bounded(cmp: Comparison, got: Sequence[Mapping[str, np.ndarray]], ref: Sequence[Mapping[str, np.ndarray]],
+            feeds: Sequence[Mapping[str, np.ndarray]], confidence: float) -> Comparison:
+    """``cmp`` with each output's ``cosine`` lowered to its :func:`cosine_lower_bound` (``confidence`` 0: ``cmp``)."""
+    if confidence <= 0:
+        return cmp
+    lb = cosine_lower_bound(got, ref, feeds, confidence)
+    return Comparison({n: dataclasses.replace(d, cosine=min(d.cosine, lb.get(n, d.cosine)))
+                       for n, d in cmp.outputs.items()})
+
+
+def cosine_text(plain: float | None, held: Comparison, confidence: float) -> str:
+    """``0.9903 (lb 0.9886)``: a held-back mean cosine and, when one is used, its lower bound."""
+    mean = held.worst("cosine") if plain is None else plain
+    return f"{mean:.4f}" if confidence <= 0 else f"{mean:.4f} (lb {held.worst('cosine'):.4f})"

@@ -17,6 +17,9 @@ from every layer at the smallest keep to dense, the worst local error relaxed fi
 calibration feeds and confirmed on the held-back feeds). The notes report each layer's predictor recall
 against the oracle top-k (the k largest |GELU| activations of each token) and the predictor's own cost.
 
+The held-back ``cosine`` that must meet the budget is a one-sided lower confidence bound (``confidence=``,
+default 0.95; 0: the plain mean) of the mean token cosine, sentences as the units (as in ``sparsify``).
+
 Declines (unchanged, ``budget_met=False``, the measured table in the notes): no keep fraction meets the budget,
 or the one that does keeps more than ``max_union`` (default 90%) of the FFN rows on the held-back batches
 (the union is then nearly dense: the predictor and gathers cost more than they save; on MiniLM with padded
@@ -78,7 +81,8 @@ class ContextualSparsityPass(GraphoptPass):
     exact = False
     default_budget = DEFAULT_BUDGET
 
-    def __init__(self, *, rank: int = 64, keep: float = 0.0, damp: float = 0.01, max_union: float = 0.9):
+    def __init__(self, *, rank: int = 64, keep: float = 0.0, damp: float = 0.01, max_union: float = 0.9,
+                 confidence: float = 0.95):
         super().__init__()
         if rank < 1:
             raise UsageError(f"contextual-sparsity.rank must be >= 1, got {rank}")
@@ -88,7 +92,10 @@ class ContextualSparsityPass(GraphoptPass):
             raise UsageError(f"contextual-sparsity.damp must be > 0, got {damp}")
         if not 0.0 < max_union <= 1.0:
             raise UsageError(f"contextual-sparsity.max_union must be in (0, 1], got {max_union}")
+        if not 0.0 <= confidence < 1.0:
+            raise UsageError(f"contextual-sparsity.confidence must be in [0, 1), got {confidence}")
         self.rank, self.keep, self.damp, self.max_union = int(rank), float(keep), float(damp), float(max_union)
+        self.confidence = float(confidence)
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         return _Run(self, model, ctx).go()
@@ -104,6 +111,8 @@ class _Run:
     notes: list[str] = dataclasses.field(default_factory=list)
     table: list[str] = dataclasses.field(default_factory=list)
     cache: dict = dataclasses.field(default_factory=dict)
+    #: id of a held-back comparison (cosine: the lower bound) -> the plain mean cosine
+    plain: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def note(self, msg: str) -> None:
         logger.info("contextual-sparsity: %s", msg)
@@ -171,19 +180,31 @@ class _Run:
             b_sel = None if f.b1 is None else t.op("Gather", [f.bias, rows], attributes={"axis": 0})
             if f.add1 is not None:
                 h = t.op("Add", [h, b_sel])
-            act_inputs = [h] + ([b_sel] if f.add1 is None and b_sel is not None else [])
-            act = ir.Node(node_domain(f.act), f.act.op_type, act_inputs,
-                          attributes=[ir.Attr(a_.name, a_.type, a_.value) for a_ in f.act.attributes.values()])
+            if len(f.act_nodes) == 1:
+                act_inputs = [h] + ([b_sel] if f.add1 is None and b_sel is not None else [])
+                act = ir.Node(node_domain(f.act), f.act.op_type, act_inputs,
+                              attributes=[ir.Attr(a_.name, a_.type, a_.value) for a_ in f.act.attributes.values()])
+                new_act, old_act, a_out = [act], [f.act], act.outputs[0]
+            else:  # GELU written out (Erf form): its elementwise nodes stay, reading the reduced h
+                z = (f.add1 or f.mm1).outputs[0]
+                for node in f.act_nodes:
+                    for j, v_in in enumerate(node.inputs):
+                        if v_in is z:
+                            node.replace_input_with(j, h)
+                    node.outputs[0].shape = None
+                new_act, old_act, a_out = [], [], f.act.outputs[0]
             t2 = ir.tape.Tape()
             w2 = t2.op("Gather", [const(f.w2, "w2"), rows], attributes={"axis": 0})
-            y = t2.op("MatMul", [act.outputs[0], w2])
+            y = t2.op("MatMul", [a_out, w2])
             y.shape, y.type = f.mm2.outputs[0].shape, f.mm2.outputs[0].type
-            for node in (*t.nodes, act, *t2.nodes):
+            for node in (*t.nodes, *new_act):
                 graph.insert_before(f.mm1, node)
+            for node in t2.nodes:
+                graph.insert_before(f.mm2, node)
             old = f.mm2.outputs[0]
             old.replace_all_uses_with(y)
             name = old.name
-            for node in (f.mm2, f.act, *([f.add1] if f.add1 else []), f.mm1):
+            for node in (f.mm2, *old_act, *([f.add1] if f.add1 else []), f.mm1):
                 graph.remove(node, safe=True)
             y.name = name
             for n in list(graph.initializers):
@@ -207,11 +228,18 @@ class _Run:
         got = runtime.run(sess, self.held)
         width = [f.width for f, k in zip(self.ffns, keeps) if k < 1.0]
         frac = [g[r].size / w for g in got for r, w in zip(rows, width)]
-        return cal, compare(got, self.ref_held, self.held), float(np.mean(frac)) if frac else 1.0
+        held = compare(got, self.ref_held, self.held)
+        lowered = _ffn.bounded(held, got, self.ref_held, self.held, self.opts.confidence)
+        self.plain[id(lowered)] = held.worst("cosine")
+        return cal, lowered, float(np.mean(frac)) if frac else 1.0
+
+    def cos(self, c: Comparison) -> str:
+        conf = self.opts.confidence if id(c) in self.plain else 0.0
+        return _ffn.cosine_text(self.plain.get(id(c)), c, conf)
 
     def row(self, keeps, cal: Comparison, held: Comparison | None, union: float, verdict: str) -> None:
         def m(c: Comparison | None) -> str:
-            return "—" if c is None else f"{c.worst('cosine'):.4f}/{c.worst('cosine_min'):.4f}"
+            return "—" if c is None else f"{self.cos(c)}/{c.worst('cosine_min'):.4f}"
 
         ks = " ".join("dense" if k >= 1 else f"{k:.0%}" for k in keeps)
         un = "—" if np.isnan(union) else f"{union:.0%}"
@@ -283,7 +311,7 @@ class _Run:
             return PassResult(model, False, notes=self.notes, budget_met=False)
         self.build(model, keeps)
         self.note(f"chose keep {' '.join('dense' if k >= 1 else f'{k:.0%}' for k in keeps)}; held-back cosine "
-                  f"{held.worst('cosine'):.4f}, cosine_min {held.worst('cosine_min'):.4f}; union of the batch's "
+                  f"{self.cos(held)}, cosine_min {held.worst('cosine_min'):.4f}; union of the batch's "
                   f"selections kept {seen[j][2]:.0%} of the FFN rows")
         return PassResult(model, True, notes=self.notes, rule_counts={"ffn": sum(k < 1 for k in keeps)},
                           budget_met=True)

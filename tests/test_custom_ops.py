@@ -28,17 +28,18 @@ def _ints(rng, shape, lo=-3, hi=4):
 
 
 @pytest.mark.parametrize("x_shape", [(5, 64), (2, 3, 64)])
-@pytest.mark.parametrize("block", [8, 16])
-def test_block_sparse_matmul_equals_dense_on_pruned_weights(x_shape, block):
+@pytest.mark.parametrize(("block", "cols"), [(8, 8), (16, 16), (8, 24), (16, 48)])
+def test_block_sparse_matmul_equals_dense_on_pruned_weights(x_shape, block, cols):
     rng = np.random.default_rng(0)
     k, n = 64, 48
     w = _ints(rng, (k, n))
-    kb, nb = k // block, n // block
+    kb, nb = k // block, n // cols
     keep = np.zeros((kb, nb), bool)
     for j in range(nb):
         keep[rng.choice(kb, size=kb // 2, replace=False), j] = True
-    pruned = w * np.kron(keep, np.ones((block, block), bool))
-    wb, idx = custom_ops.pack_blocks(pruned, keep, block)
+    pruned = w * np.kron(keep, np.ones((block, cols), bool))
+    wb, idx = custom_ops.pack_blocks(pruned, keep, block, cols)
+    assert wb.shape == (nb, kb // 2 * block, cols)
     model = _model("BlockSparseMatMul", x_shape, {"wb": wb, "idx": idx}, {"block_size": block}, n)
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     x = _ints(rng, x_shape)

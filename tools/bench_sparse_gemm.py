@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Micro-benchmark: dense MatMul vs the sparse forms ``sparsify`` emits, one GEMM ``X[M, K] @ W[K, N]``.
 
-Forms: ``blocks`` (``ai.graphopt::BlockSparseMatMul``, balanced b x b blocks), ``neurons`` (a plain MatMul
-on the kept output columns: what pruning whole FFN neurons leaves), ``2:4`` (``ai.graphopt::NMSparseMatMul``,
-50% only), ``unstructured`` (zeros in a dense MatMul: the same kernel as dense). Shapes: MiniLM's FFN
-(384x1536) and BERT-base's (768x3072); M in {1, 16, 128}. All sessions of one (shape, M) are timed
+Forms: ``blocks RxC`` (``ai.graphopt::BlockSparseMatMul``, balanced blocks of R rows x C columns; ``--blocks``
+lists the block shapes), ``neurons`` (a plain MatMul on the kept output columns: what pruning whole FFN
+neurons leaves), ``2:4`` (``ai.graphopt::NMSparseMatMul``, 50% only), ``unstructured`` (zeros in a dense
+MatMul: the same kernel as dense). Shapes: MiniLM's FFN (W1 384x1536, W2 1536x384) and BERT-base's
+(768x3072, 3072x768); M in {1, 16, 128}. All sessions of one (shape, M) are timed
 interleaved (``graphopt.bench.bench_sessions``, spinning off, one thread); the table gives medians and
 dense/form ratios.
 
-    python tools/bench_sparse_gemm.py [--rounds 15] [--threads 1] [--block 32] [--json out.json]
+    python tools/bench_sparse_gemm.py [--rounds 15] [--threads 1] [--blocks 32x32,32x128] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import onnx_ir as ir
 from graphopt import custom_ops, runtime
 from graphopt.bench import bench_sessions
 
-SHAPES = {"minilm": (384, 1536), "bert-base": (768, 3072)}
+SHAPES = {"minilm": (384, 1536), "minilm-w2": (1536, 384), "bert-base": (768, 3072), "bert-base-w2": (3072, 768)}
 SPARSITIES = (0.5, 0.75, 0.9)
 
 
@@ -39,18 +40,20 @@ def _model(k: int, n_out: int, op: str, consts: dict[str, np.ndarray], attrs: di
     return model
 
 
-def forms(k: int, n: int, block: int, rng: np.random.Generator) -> dict[str, ir.Model]:
-    """The models compared for one weight shape."""
+def forms(k: int, n: int, blocks: list[tuple[int, int]], rng: np.random.Generator) -> dict[str, ir.Model]:
+    """The models compared for one weight shape (``blocks``: (rows, cols) block shapes)."""
     w = rng.standard_normal((k, n)).astype(np.float32)
     out = {"dense": _model(k, n, "MatMul", {"w": w}, {})}
     for s in SPARSITIES:
-        kb, nb = k // block, n // block
-        keep = np.zeros((kb, nb), bool)
-        kept = max(1, round(kb * (1 - s)))
-        for j in range(nb):
-            keep[rng.choice(kb, size=kept, replace=False), j] = True
-        wb, idx = custom_ops.pack_blocks(w * np.kron(keep, np.ones((block, block), bool)), keep, block)
-        out[f"blocks {s:.0%}"] = _model(k, n, "BlockSparseMatMul", {"wb": wb, "idx": idx}, {"block_size": block})
+        for br, bc in blocks:
+            kb, nb = k // br, n // bc
+            keep = np.zeros((kb, nb), bool)
+            kept = max(1, round(kb * (1 - s)))
+            for j in range(nb):
+                keep[rng.choice(kb, size=kept, replace=False), j] = True
+            wb, idx = custom_ops.pack_blocks(w * np.kron(keep, np.ones((br, bc), bool)), keep, br, bc)
+            out[f"blocks {br}x{bc} {s:.0%}"] = _model(k, n, "BlockSparseMatMul", {"wb": wb, "idx": idx},
+                                                     {"block_size": br})
         cols = max(1, round(n * (1 - s)))
         out[f"neurons {s:.0%}"] = _model(k, cols, "MatMul", {"w": np.ascontiguousarray(w[:, :cols])}, {})
     keep = np.zeros((k // 4, 4, n), bool)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--blocks", default="32x32,32x128", help="block shapes, rows x cols, comma-separated")
     ap.add_argument("--ms", default="1,16,128")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         k, n = SHAPES[shape]
-        models = forms(k, n, args.block, rng)
+        blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
+        models = forms(k, n, blocks, rng)
         sessions = {name: runtime.make_session(m, threads=args.threads, spinning=False) for name, m in models.items()}
         for m_rows in (int(v) for v in args.ms.split(",")):
             feeds = [{"x": rng.standard_normal((m_rows, k)).astype(np.float32)}]
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{shape} W[{k}x{n}] M={m_rows}  (median of {args.rounds} interleaved rounds, {reps} runs each)")
             for r in res:
                 us = r.p50 / reps * 1e6
-                print(f"  {r.name:18s} {us:9.1f} us   {base / r.p50:5.2f}x")
+                print(f"  {r.name:22s} {us:9.1f} us   {base / r.p50:5.2f}x")
                 rows.append({"shape": shape, "K": k, "N": n, "M": m_rows, "form": r.name, "us": round(us, 1),
                              "speedup": round(base / r.p50, 3)})
     if args.json:

@@ -3,7 +3,8 @@
 
 ``--bert``: a seeded, randomly initialised BERT-base-sized encoder (``transformers.BertConfig()`` defaults:
 hidden 768, 12 layers, FFN 3072; speed only, its quality means nothing), exported with the project's
-exporter (dynamo), fused (``cleanup,fuse``), then ``sparsify pattern=blocks sparsity=0.75`` on the FFNs.
+exporter (dynamo), fused (``cleanup,fuse``), then ``sparsify pattern=blocks sparsity=0.75`` on the FFNs
+(32x32 and 32x128 blocks).
 Dense vs sparse are timed interleaved at batch ``--batch`` x ``--seq`` (thread CPU time, one thread).
 
 ``--minilm``: all-MiniLM-L6-v2 (dynamo eager export, fused), real sentences (``tools/workload.py``): every
@@ -17,8 +18,9 @@ calibrates on half and confirms on the other half), then the result is checked o
 neither saw.
 
     python tools/bench_sparse_models.py --bert [--rounds 3]
-    python tools/bench_sparse_models.py --minilm [--rounds 5]
-    python tools/bench_sparse_models.py --budget 'cosine>=0.99' [-n 96]
+    python tools/bench_sparse_models.py --minilm [--rounds 5] [--only blocks-75,blocks32x128-75,contextual]
+    python tools/bench_sparse_models.py --budget 'cosine>=0.99' [-n 96] [--unseen 128] [--passes sparsify]
+        [--override sparsify.confidence=0]
 """
 
 from __future__ import annotations
@@ -62,23 +64,29 @@ def bert_base(rounds: int, batch: int, seq: int) -> dict:
 
     small = [feed(2, 32), feed(2, 32)]
     dense = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=small, verify_level="structure").model
-    t0 = time.perf_counter()
-    res = SparsifyPass(pattern="blocks", sparsity=0.75, scores="magnitude", compensate=False)(
-        dense.clone(), PassContext(calib_feeds=small[:1], feeds=small[1:]))
-    took = time.perf_counter() - t0
-    sessions = {"dense (fused)": runtime.make_session(dense, threads=1, spinning=False),
-                "blocks 75%": runtime.make_session(res.model, threads=1, spinning=False)}
+    sessions = {"dense (fused)": runtime.make_session(dense, threads=1, spinning=False)}
+    for cols in (32, 128):
+        t0 = time.perf_counter()
+        res = SparsifyPass(pattern="blocks", sparsity=0.75, scores="magnitude", compensate=False, block_cols=cols)(
+            dense.clone(), PassContext(calib_feeds=small[:1], feeds=small[1:]))
+        print(f"sparsify 32x{cols} took {time.perf_counter() - t0:.1f} s; rule counts {res.rule_counts}", flush=True)
+        sessions[f"blocks 32x{cols} 75%"] = runtime.make_session(res.model, threads=1, spinning=False)
     big = [feed(batch, seq)]
     out = bench_sessions(sessions, big, rounds=rounds, warmup=1, clock="cpu")
     base = out[0].p50
     rows = [{"model": r.name, "seconds": round(r.p50, 3), "speedup": round(base / r.p50, 3)} for r in out]
     for r in rows:
-        print(f"BERT-base {batch}x{seq}: {r['model']:14s} {r['seconds']:7.3f} s  {r['speedup']:.2f}x")
-    print(f"sparsify took {took:.1f} s; rule counts {res.rule_counts}")
+        print(f"BERT-base {batch}x{seq}: {r['model']:18s} {r['seconds']:7.3f} s  {r['speedup']:.2f}x")
     return {"bert_base": rows, "batch": batch, "seq": seq, "rounds": rounds}
 
 
-def minilm(rounds: int, n_sent: int) -> dict:
+#: --minilm variants: name -> (pattern, sparsity, extra sparsify options)
+MINILM_SPECS = {"neurons-25": ("neurons", 0.25, {}), "neurons-50": ("neurons", 0.5, {}),
+                "blocks-75": ("blocks", 0.75, {}), "blocks32x128-75": ("blocks", 0.75, {"block_cols": 128}),
+                "2:4": ("2:4", 0.5, {}), "unstructured-50": ("unstructured", 0.5, {})}
+
+
+def minilm(rounds: int, n_sent: int, only: list[str] | None = None) -> dict:
     import minilm as minilm_mod
     import onnx_ir as ir
     import transformers
@@ -125,19 +133,20 @@ def minilm(rounds: int, n_sent: int) -> dict:
     variants: dict[str, ir.Model] = {}
     rows = []
     ctx = PassContext(calib_feeds=calib, feeds=held[:2])
-    specs = [("neurons", 0.25), ("neurons", 0.5), ("blocks", 0.75), ("2:4", 0.5), ("unstructured", 0.5)]
-    for pattern, s in specs:
+    specs = [v for k, v in MINILM_SPECS.items() if only is None or k in only]
+    for pattern, s, extra in specs:
         for comp in (False, True):
             t0 = time.perf_counter()
-            res = SparsifyPass(pattern=pattern, sparsity=s, compensate=comp)(dense.clone(), ctx)
-            name = f"{pattern} {s:.0%}" + (" +comp" if comp else "")
+            res = SparsifyPass(pattern=pattern, sparsity=s, compensate=comp, **extra)(dense.clone(), ctx)
+            shape = f" 32x{extra['block_cols']}" if "block_cols" in extra else ""
+            name = f"{pattern}{shape} {s:.0%}" + (" +comp" if comp else "")
             cos, tmin = emb_cos(res.model)
             rows.append({"variant": name, "emb_cos": round(cos, 4), "token_cos_min": round(tmin, 4),
                          "pass_seconds": round(time.perf_counter() - t0, 1)})
             variants[name] = res.model
             print(rows[-1], flush=True)
     recalls = {}
-    for keep in (0.5, 0.25):
+    for keep in (0.5, 0.25) if only is None or "contextual" in only else ():
         res = ContextualSparsityPass(keep=keep)(dense.clone(), ctx)
         name = f"contextual keep {keep:.0%}"
         cos, tmin = emb_cos(res.model)
@@ -164,7 +173,7 @@ def minilm(rounds: int, n_sent: int) -> dict:
     return {"minilm": rows, "recall": recalls, "rounds": rounds}
 
 
-def budget_check(budget: str, n_sent: int) -> dict:
+def budget_check(budget: str, n_sent: int, passes: list[str], overrides: list[str], n_unseen: int) -> dict:
     """``graphopt optimize`` (cleanup,fuse,PASS under ``budget``) then the budget on a third, unseen set."""
     import minilm as minilm_mod
     import transformers
@@ -174,7 +183,7 @@ def budget_check(budget: str, n_sent: int) -> dict:
     from graphopt.metrics import compare, parse_budget
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_mod.source_folder())
-    sentences = workload.generate(n_sent * 2, seed=1)
+    sentences = workload.generate(n_sent + n_unseen, seed=1)
 
     def batches(ss: list[str]) -> list[dict[str, np.ndarray]]:
         out = []
@@ -188,12 +197,12 @@ def budget_check(budget: str, n_sent: int) -> dict:
     dense = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=given[:2], verify_level="structure").model
     ref = runtime.run(runtime.make_session(dense, threads=1), unseen)
     rows = []
-    for name in ("sparsify", "contextual-sparsity"):
+    for name in passes:
         t0 = time.perf_counter()
         res = pipeline.optimize(str(path), passes=f"cleanup,fuse,{name}", feeds=given, budget=budget,
-                                keep_going=True)
+                                keep_going=True, overrides=[o for o in overrides if o.startswith(name + ".")])
         rec = res.report.passes[-1]
-        row = {"pass": name, "status": rec.status, "modified": rec.modified, "seconds": round(time.perf_counter() - t0),
+        row = {"pass": name, "overrides": overrides, "status": rec.status, "modified": rec.modified, "seconds": round(time.perf_counter() - t0),
                "notes": rec.notes}
         if rec.modified and rec.status == "ok":
             got = runtime.run(runtime.make_session(res.model, threads=1), unseen)
@@ -214,15 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("-n", type=int, default=192, help="MiniLM sentences (half calibration, half held back)")
     ap.add_argument("--budget", help="graphopt optimize under this budget, then check it on unseen sentences")
+    ap.add_argument("--unseen", type=int, default=0, help="--budget: unseen sentences (default: -n)")
+    ap.add_argument("--passes", default="sparsify,contextual-sparsity", help="--budget: the passes tried")
+    ap.add_argument("--override", action="append", default=[], help="--budget: PASS.OPTION=VALUE (repeatable)")
+    ap.add_argument("--only", help="--minilm: these variants only (" + ",".join(MINILM_SPECS) + ",contextual)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     out = {}
     if args.bert:
         out.update(bert_base(args.rounds, args.batch, args.seq))
     if args.minilm:
-        out.update(minilm(args.rounds, args.n))
+        out.update(minilm(args.rounds, args.n, args.only.split(",") if args.only else None))
     if args.budget:
-        out.update(budget_check(args.budget, args.n))
+        out.update(budget_check(args.budget, args.n, args.passes.split(","), args.override, args.unseen or args.n))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

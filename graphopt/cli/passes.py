@@ -8,7 +8,7 @@ from graphopt.cli.options import Json
 
 
 def command(json_: Json = False) -> None:
-    """List every pass: name, lossless or lossy, one-line summary, options with defaults."""
+    """List every pass: name, lossless or lossy, one-line summary, options with defaults; then the builtin recipes."""
     import json
 
     from graphopt import recipe as recipe_mod
@@ -41,4 +41,10 @@ def command(json_: Json = False) -> None:
             r["summary"],
             ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "-",
         )
-    make_console().print(t)
+    recipes = table("builtin recipes (--recipe NAME)", ["recipe", "passes", "description"])
+    for name in recipe_mod.builtin_names():
+        r = recipe_mod.load(name)
+        recipes.add_row(name, ",".join(r.pass_names()), r.description)
+    console = make_console()
+    console.print(t)
+    console.print(recipes)
