@@ -100,20 +100,27 @@ def test_not_folded_when_the_layernorm_output_is_read_elsewhere():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
-def _grouped_attention(shared_bias_reader: bool = False):
+def _grouped_attention(shared_bias_reader: bool = False, onnx_attention: bool = False):
     """remove-padding's CPU form in small: V = MatMul(xp, Wv) -> Squeeze -> Gather per group ->
-    MultiHeadAttention per group -> Reshape [-1, H] -> Concat -> Gather(inverse) -> MatMul(Wo)."""
+    MultiHeadAttention per group -> Reshape [-1, H] -> Concat -> Gather(inverse) -> MatMul(Wo).
+    ``onnx_attention``: ``attention_op=onnx``'s form, V = Add(MatMul(xp, Wv), bv) and ONNX Attention."""
     from onnx import TensorProto, helper, numpy_helper
 
     h, rng = 8, np.random.default_rng(7)
     f = TensorProto.FLOAT
-    nodes = [helper.make_node("MatMul", ["xp", "wv"], ["vp"], name="mm_v"),
+    nodes = [helper.make_node("MatMul", ["xp", "wv"], ["vp0" if onnx_attention else "vp"], name="mm_v"),
              helper.make_node("Squeeze", ["vp", "zero"], ["vr"], name="sq")]
+    if onnx_attention:
+        nodes.insert(1, helper.make_node("Add", ["vp0", "bv"], ["vp"], name="add_v"))
     parts = []
     for g in range(2):
-        nodes += [helper.make_node("Gather", ["vr", f"map{g}"], [f"v{g}"], axis=0, name=f"gv{g}"),
-                  helper.make_node("MultiHeadAttention", [f"q{g}", f"k{g}", f"v{g}", "bias"], [f"o{g}"],
-                                   domain="com.microsoft", num_heads=2, name=f"mha{g}"),
+        if onnx_attention:
+            attn = helper.make_node("Attention", [f"q{g}", f"k{g}", f"v{g}"], [f"o{g}"], q_num_heads=2,
+                                    kv_num_heads=2, name=f"mha{g}")
+        else:
+            attn = helper.make_node("MultiHeadAttention", [f"q{g}", f"k{g}", f"v{g}", "bias"], [f"o{g}"],
+                                    domain="com.microsoft", num_heads=2, name=f"mha{g}")
+        nodes += [helper.make_node("Gather", ["vr", f"map{g}"], [f"v{g}"], axis=0, name=f"gv{g}"), attn,
                   helper.make_node("Reshape", [f"o{g}", "rows"], [f"r{g}"], name=f"rs{g}")]
         parts.append(f"r{g}")
     nodes += [helper.make_node("Concat", parts, ["cat"], axis=0, name="cat"),
@@ -131,10 +138,13 @@ def _grouped_attention(shared_bias_reader: bool = False):
     inits = [numpy_helper.from_array(rng.standard_normal((h, h)).astype(np.float32), "wv"),
              numpy_helper.from_array(rng.standard_normal((h, 4)).astype(np.float32), "wo"),
              numpy_helper.from_array(rng.standard_normal(3 * h).astype(np.float32), "bias"),
+             numpy_helper.from_array(rng.standard_normal(h).astype(np.float32), "bv"),
              numpy_helper.from_array(np.array([0], np.int64), "zero"),
              numpy_helper.from_array(np.array([-1, h], np.int64), "rows")]
+    inits = [i for i in inits if i.name != ("bias" if onnx_attention else "bv")]  # the one the form does not read
     m = helper.make_model(helper.make_graph(nodes, "grouped", inputs, outputs, inits),
-                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+                          opset_imports=[helper.make_opsetid("", 23 if onnx_attention else 17),
+                                         helper.make_opsetid("com.microsoft", 1)])
     feed = {"xp": rng.standard_normal((1, 7, h)).astype(np.float32), "inverse": np.array([0, 1, 2, 3, 4, 5, 6]),
             "map0": np.array([[0, 1, 2], [3, 4, 5]]), "map1": np.array([[6]])}
     for g, (b, s) in enumerate(((2, 3), (1, 1))):
@@ -142,9 +152,10 @@ def _grouped_attention(shared_bias_reader: bool = False):
     return ir.serde.deserialize_model(m), feed
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["folded", "bias-read-elsewhere"])
-def test_folded_into_grouped_attention_values(shared):
-    model, feed = _grouped_attention(shared_bias_reader=shared)
+@pytest.mark.parametrize(("shared", "onnx_attention"), [(False, False), (True, False), (False, True)],
+                         ids=["folded", "bias-read-elsewhere", "onnx-attention"])
+def test_folded_into_grouped_attention_values(shared, onnx_attention):
+    model, feed = _grouped_attention(shared_bias_reader=shared, onnx_attention=onnx_attention)
     want = run(make_session(model, optimize=False), [feed])[0]
     targets = [t for t in qdq.find_targets(model) if t.key == "mm_o"]
     s = np.linspace(0.5, 4.0, 8).astype(np.float32)
