@@ -641,11 +641,11 @@ def _minilm_feeds():
 MINILM_EXPORTS = [("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa")]
 
 
-def _minilm_exact(path, model: ir.Model) -> ir.Model:
+def _minilm_exact(path, model: ir.Model, **options) -> ir.Model:
     """remove-padding on ``model`` (from the export at ``path``) is exact on real tokens; the result."""
     feeds = _minilm_feeds()
     ref = run(make_session(path, optimize=False), feeds)
-    result = _apply(model)
+    result = _apply(model, **options)
     assert result.modified, result.notes
     got = run(make_session(result.model), feeds)
     cmp = compare(got, ref, feeds)
@@ -669,6 +669,18 @@ def test_minilm_fused(minilm, exporter, attn):
     ops = collections.Counter(n.op_type for n in _minilm_exact(path, model).graph)
     assert ops["EmbedLayerNormalization"] == 0 and ops["Attention"] == 0, ops
     assert ops["MultiHeadAttention"] == 6 * 8, ops  # 6 layers x 8 length groups
+
+
+@pytest.mark.slow
+def test_minilm_fused_onnx_attention(minilm):
+    """attention_op=onnx on MiniLM: 48 ONNX Attention (6 layers x 8 groups), opset 23, exact."""
+    path = minilm("dynamo", "sdpa")
+    model = ir.load(path)
+    registry.create("fuse")(model)
+    out = _minilm_exact(path, model, attention_op="onnx")
+    ops = collections.Counter((n.domain, n.op_type) for n in out.graph)
+    assert ops[("", "Attention")] == 48 and ops[("com.microsoft", "MultiHeadAttention")] == 0, ops
+    assert out.opset_imports[""] == 23
 
 
 @pytest.mark.slow
