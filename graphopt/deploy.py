@@ -8,9 +8,11 @@
 
 The configuration states the signature (``-1`` where a dimension is dynamic; with ``max_batch_size`` > 0 the
 batch dimension is left out, as Triton wants), dynamic batching with preferred sizes, one instance group for
-the provider, and the ONNX Runtime session settings the model was verified under: graph optimization level
-``all`` (graphopt's CPU residual LayerNorm form, ``Sum`` + ``LayerNormalization``, survives it: ORT has no
-rule turning a ``Sum`` back into ``SkipLayerNormalization``) and the thread count when one is given.
+the provider, and the ONNX Runtime session settings the model recorded (``graphopt.session_hints``; a model
+without them gets graphopt's defaults): graph optimization level ``all`` (graphopt's CPU residual LayerNorm
+form, ``Sum`` + ``LayerNormalization``, survives it: ORT has no rule turning a ``Sum`` back into
+``SkipLayerNormalization``), sequential execution with one inter-op thread, and the intra-op thread count
+when one is given.
 
 The minimum ORT version and the providers come from the ops actually in the graph
 (``graphopt.ort_compat``). The input contract says which inputs carry tokens and what padding means:
