@@ -50,7 +50,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 GEMM_OPS = ("MatMulIntegerToFloat", "MatMulInteger", "DynamicQuantizeMatMul")
 
 
-def _batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
+def workload_batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
+    """Tokenized padded batches of ``batch`` sentences (MiniLM's inputs, int64)."""
     out = []
     for i in range(0, len(sentences), batch):
         e = tok(sentences[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="np")
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     sentences = workload.generate(args.n, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     sentences = [sentences[i] for i in rng.permutation(len(sentences))]  # random arrival order
-    calib, held = _batches(tok, sentences[: args.calib]), _batches(tok, sentences[args.calib:])
+    calib, held = workload_batches(tok, sentences[: args.calib]), workload_batches(tok, sentences[args.calib:])
     fp32 = minilm.build("dynamo", "sdpa")
     paths: dict[str, str] = {}
     if args.build:
