@@ -195,3 +195,43 @@ def test_gathered_rows_are_dequantized_by_cast_and_mul():
     got = run(make_session(model, optimize=False), [{"ids": ids}])[0]["y"]
     q, s = qdq.quantize_weight(table, axis=1)
     np.testing.assert_array_equal(got, q[ids].astype(np.float32) * s)
+
+
+def _matmul_sum() -> ir.Model:
+    """x -> MatMul(w) -> Sum(·, r, b) -> y (the residual form of ``fuse`` on CPU)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(8)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("Sum", ["h", "r", "b"], ["y"], name="res")],
+        "mm-sum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8]),
+                   helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 5, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 16])],
+        [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
+    return ir.serde.deserialize_model(m)
+
+
+@pytest.mark.parametrize("cfg", [
+    qdq.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
+    qdq.QConfig(mode="dynamic"),
+], ids=["static", "dynamic"])
+def test_residual_sum_bias_goes_into_the_integer_op(cfg):
+    model = _matmul_sum()
+    targets = qdq.find_targets(model)
+    assert targets[0].bias_sum is not None and targets[0].bias_sum.name == "res"
+    counts = qdq.apply(model, targets, {"mm": cfg})
+    assert counts["Sum bias->integer op"] == 1
+    s = next(n for n in model.graph if n.op_type == "Sum")
+    assert len(s.inputs) == 2 and "b" not in model.graph.initializers
+    feed = {"x": X, "r": RNG.standard_normal((2, 5, 16)).astype(np.float32)}
+    got = run(make_session(model, optimize=False), [feed])[0]["y"]
+    unfolded = _matmul_sum()
+    t = qdq.find_targets(unfolded)
+    t[0].bias_sum = None
+    qdq.apply(unfolded, t, {"mm": cfg})
+    assert len(next(n for n in unfolded.graph if n.op_type == "Sum").inputs) == 3
+    want = run(make_session(unfolded, optimize=False), [feed])[0]["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
