@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphopt import runtime
+from graphopt import runtime, session_hints
 
 
 @dataclasses.dataclass
@@ -143,26 +143,41 @@ def bench_thread_counts(
     rounds: int = 20,
     warmup: int = 2,
     provider: str = "cpu",
+    hints: bool = True,
 ) -> dict[int, list[BenchResult]]:
     """Bench every model at each intra-op thread count, one interleaved round-robin per thread count.
 
     The sessions of one thread count are made, benched together (all models exposed to the same
-    phases) and released before the next count's; compare thread counts with :func:`scaling`.
+    phases) and released before the next count's; compare thread counts with :func:`scaling`. With
+    ``hints`` each model's session uses the settings recorded in its metadata (graph optimization level,
+    execution mode, inter-op threads: :mod:`graphopt.session_hints`), the thread count staying ``threads``.
     """
     cuda = provider == "cuda"
     if cuda:
         runtime.require_cuda()
+    settings = {name: model_settings(m) if hints else {} for name, m in models.items()}
     out: dict[int, list[BenchResult]] = {}
     for threads in thread_counts:
         sessions = {
             name: runtime.make_session(m, provider=provider, threads=threads, optimize=True, spinning=False,
-                                       strict_provider=cuda)
+                                       strict_provider=cuda, **session_hints.session_kwargs(settings[name]))
             for name, m in models.items()
         }
         out[threads] = bench_sessions(sessions, feeds, rounds=rounds, warmup=warmup,
                                       device="cuda" if cuda else None)
         del sessions
     return out
+
+
+def model_settings(model: object) -> dict:
+    """The session settings recorded in a model (path or ``onnx_ir.Model``; others have none): ``{}`` if none."""
+    import os
+
+    import onnx_ir as ir
+
+    if isinstance(model, (str, os.PathLike, ir.Model)):
+        return session_hints.read(model)
+    return {}
 
 
 def scaling(results: Mapping[int, Sequence[BenchResult]]) -> dict[int, dict[str, float]]:

@@ -8,9 +8,11 @@
 
 The configuration states the signature (``-1`` where a dimension is dynamic; with ``max_batch_size`` > 0 the
 batch dimension is left out, as Triton wants), dynamic batching with preferred sizes, one instance group for
-the provider, and the ONNX Runtime session settings the model was verified under: graph optimization level
-``all`` (graphopt's CPU residual LayerNorm form, ``Sum`` + ``LayerNormalization``, survives it: ORT has no
-rule turning a ``Sum`` back into ``SkipLayerNormalization``) and the thread count when one is given.
+the provider, and the ONNX Runtime session settings the model recorded (``graphopt.session_hints``; a model
+without them gets graphopt's defaults): graph optimization level ``all`` (graphopt's CPU residual LayerNorm
+form, ``Sum`` + ``LayerNormalization``, survives it: ORT has no rule turning a ``Sum`` back into
+``SkipLayerNormalization``), sequential execution with one inter-op thread, and the intra-op thread count
+when one is given.
 
 The minimum ORT version and the providers come from the ops actually in the graph
 (``graphopt.ort_compat``). The input contract says which inputs carry tokens and what padding means:
@@ -175,8 +177,10 @@ def preferred_batch_sizes(max_batch: int) -> list[int]:
 
 
 def config_pbtxt(name: str, sig: Signature, *, max_batch: int, provider: str, instances: int,
-                 threads: int | None, max_delay_us: int, level: str = "all") -> str:
-    """Triton's ``config.pbtxt`` text for the ``onnxruntime`` backend."""
+                 threads: int | None, max_delay_us: int, level: str = "all", execution_mode: str = "sequential",
+                 inter_op_threads: int = 1) -> str:
+    """Triton's ``config.pbtxt`` text for the ``onnxruntime`` backend (``level``, ``execution_mode`` and
+    ``inter_op_threads``: the model's recorded session settings, ``graphopt.session_hints``)."""
     batch = max_batch if sig.batched else 0
     lines = [f'name: "{name}"', 'backend: "onnxruntime"', f"max_batch_size: {batch}"]
     for kind, specs in (("input", sig.inputs), ("output", sig.outputs)):
@@ -194,9 +198,13 @@ def config_pbtxt(name: str, sig: Signature, *, max_batch: int, provider: str, in
     # anything else (the default) to ORT_ENABLE_ALL, the level graphopt verifies under.
     graph_level = {"all": 0, "extended": 1, "basic": -1}[level]
     lines.append(f"optimization {{ graph {{ level: {graph_level} }} }}")
-    if threads:
-        for key, value in (("intra_op_thread_count", threads), ("inter_op_thread_count", 1)):
-            lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
+    params = [("intra_op_thread_count", threads)] if threads else []
+    if threads or inter_op_threads != 1:
+        params.append(("inter_op_thread_count", inter_op_threads))
+    if execution_mode != "sequential":
+        params.append(("execution_mode", 1))  # the backend's ExecutionMode: 0 sequential, 1 parallel
+    for key, value in params:
+        lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"
 
 
@@ -232,6 +240,13 @@ def _report_fields(report: dict | None, model: ir.Model) -> dict:
     }
 
 
+def _session_settings(model: ir.Model) -> dict[str, Any]:
+    """The ORT session settings the model recorded (``graphopt.session_hints``), graphopt's defaults else."""
+    from graphopt import session_hints
+
+    return {**session_hints.MEASURED, **session_hints.read(model)}
+
+
 def manifest(model: ir.Model, sig: Signature, *, name: str, report: dict | None, max_batch: int,
              provider: str, instances: int, threads: int | None, max_delay_us: int, max_length: int,
              files: dict[str, str]) -> dict:
@@ -263,7 +278,7 @@ def manifest(model: ir.Model, sig: Signature, *, name: str, report: dict | None,
         "files": files,
         **_report_fields(report, model),
         "onnxruntime": {**req.to_dict(), "verified_with": ort.__version__},
-        "session": {"provider": provider, "graph_optimization_level": "all", "intra_op_threads": threads,
+        "session": {"provider": provider, **_session_settings(model), "intra_op_threads": threads,
                     "instances": instances},
         "batching": {"max_batch_size": max_batch if sig.batched else 0,
                      "preferred_batch_sizes": preferred_batch_sizes(max_batch) if sig.batched else [],
@@ -317,9 +332,11 @@ def deploy(model_path: str | os.PathLike, repo: str | os.PathLike, *, name: str 
         model_file = tmp / "1" / MODEL_FILE
         io.save(model, model_file, external_data=external_data, src=src)
         files = {f"1/{p.name}": _sha256(p) for p in sorted((tmp / "1").iterdir())}
+        settings = _session_settings(model)
         (tmp / "config.pbtxt").write_text(config_pbtxt(
             name, sig, max_batch=max_batch, provider=provider, instances=instances, threads=threads,
-            max_delay_us=max_delay_us))
+            max_delay_us=max_delay_us, level=settings["graph_optimization_level"],
+            execution_mode=settings["execution_mode"], inter_op_threads=settings["inter_op_threads"]))
         man = manifest(model, sig, name=name, report=report_dict, max_batch=max_batch, provider=provider,
                        instances=instances, threads=threads, max_delay_us=max_delay_us, max_length=max_length,
                        files=files)

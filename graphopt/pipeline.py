@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt import feeds as feeds_mod
-from graphopt import io, provenance, registry, standins
+from graphopt import io, provenance, registry, session_hints, standins
 from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, parse_budget
@@ -259,6 +259,8 @@ def optimize(
                 report.ok = False
                 break
 
+    # what the model needs from its ORT session to run fast (graphopt.session_hints), in its metadata
+    session_hints.record(good)
     report.nodes_after = count_nodes(good)
     report.ops_after = dict(op_histogram(good))
     if reference is not None and prev_out is not None and prev_out is not reference:

@@ -64,9 +64,17 @@ def require_cuda() -> None:
         hint="uninstall onnxruntime and install onnxruntime-gpu with a matching CUDA (README, CUDA)")
 
 
+#: ``execution_mode`` values: ORT runs independent nodes one after another, or concurrently on the inter-op pool
+EXECUTION_MODES = ("sequential", "parallel")
+
+
 def session_options(
-    *, threads: int | None = None, optimize: bool = True, spinning: bool = True, level: str | None = None
+    *, threads: int | None = None, optimize: bool = True, spinning: bool = True, level: str | None = None,
+    execution_mode: str | None = None, inter_op_threads: int | None = None,
 ):
+    """ORT session options: ``threads`` intra-op threads (and one inter-op thread, unless
+    ``inter_op_threads``), graph optimization ``level`` (or all / disable by ``optimize``),
+    ``execution_mode`` (``sequential``, the default, or ``parallel``), spinning on or off."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -74,6 +82,13 @@ def session_options(
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+    if inter_op_threads:
+        so.inter_op_num_threads = inter_op_threads
+    if execution_mode is not None:
+        if execution_mode not in EXECUTION_MODES:
+            raise RuntimeSetupError(f"unknown execution mode {execution_mode!r}", hint="use sequential or parallel")
+        so.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if execution_mode == "parallel"
+                             else ort.ExecutionMode.ORT_SEQUENTIAL)
     levels = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -96,6 +111,8 @@ def make_session(
     spinning: bool = True,
     level: str | None = None,
     strict_provider: bool = False,
+    execution_mode: str | None = None,
+    inter_op_threads: int | None = None,
 ):
     """An ``onnxruntime.InferenceSession`` for a path, ModelProto, ``onnx_ir.Model`` or bytes.
 
@@ -116,7 +133,8 @@ def make_session(
             raise RuntimeSetupError(f"CUDA requested but not available: {why}")
         else:
             logger.warning("CUDA requested but not available (%s); using CPU", why)
-    so = session_options(threads=threads, optimize=optimize, spinning=spinning, level=level)
+    so = session_options(threads=threads, optimize=optimize, spinning=spinning, level=level,
+                         execution_mode=execution_mode, inter_op_threads=inter_op_threads)
     stack = contextlib.ExitStack()
     try:
         if isinstance(model, (str, os.PathLike)):

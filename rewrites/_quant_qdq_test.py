@@ -125,3 +125,113 @@ def test_smooth_scales_the_weight_rows():
     cfg = qdq.QConfig(mode="dynamic", smooth=np.full(8, 2.0, np.float32))
     _, _, want, got = _apply(cfg)
     _close({"z": got["z"]}, {"z": 2 * want["z"]}, 0.03)
+
+
+def _matmul_biasgelu() -> ir.Model:
+    """x -> MatMul(w) -> com.microsoft BiasGelu(b) -> y."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("BiasGelu", ["h", "b"], ["y"], domain=MS_DOMAIN, name="bg")],
+        "mm-biasgelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 16])],
+        [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
+    return ir.serde.deserialize_model(m)
+
+
+@pytest.mark.parametrize("cfg", [
+    qdq.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
+    qdq.QConfig(mode="dynamic"),
+    qdq.QConfig(mode="int4", block_size=16, accuracy_level=0),
+], ids=["static", "dynamic", "int4"])
+def test_biasgelu_bias_goes_into_the_integer_op(cfg):
+    """MatMul -> BiasGelu: the bias moves into the integer op and BiasGelu becomes Gelu, with the same
+    outputs as leaving BiasGelu after the integer op (the fold is exact)."""
+    model = _matmul_biasgelu()
+    targets = qdq.find_targets(model)
+    assert targets[0].bias_gelu is not None and targets[0].bias_gelu.name == "bg"
+    counts = qdq.apply(model, targets, {"mm": cfg})
+    ops = _ops(model)
+    assert counts["BiasGelu->Gelu"] == 1
+    assert ops[(MS_DOMAIN, "Gelu")] == 1 and (MS_DOMAIN, "BiasGelu") not in ops and ("", "MatMul") not in ops
+    integer = next(n for n in model.graph if n.domain == MS_DOMAIN and n.op_type != "Gelu")
+    assert integer.inputs[-1] is not None and integer.inputs[-1].const_value is not None  # the bias
+    got = run(make_session(model, optimize=False), [{"x": X}])[0]["y"]
+    # reference: the same quantization with BiasGelu left in place
+    unfolded = _matmul_biasgelu()
+    t = qdq.find_targets(unfolded)
+    t[0].bias_gelu = None
+    qdq.apply(unfolded, t, {"mm": cfg})
+    assert _ops(unfolded)[(MS_DOMAIN, "BiasGelu")] == 1
+    want = run(make_session(unfolded, optimize=False), [{"x": X}])[0]["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_biasgelu_stays_in_qdq_form():
+    model = _matmul_biasgelu()
+    cfg = qdq.QConfig(mode="static", act_range=(float(X.min()), float(X.max())), fmt="qdq")
+    qdq.apply(model, qdq.find_targets(model), {"mm": cfg})
+    ops = _ops(model)
+    assert ops[(MS_DOMAIN, "BiasGelu")] == 1 and ops[("", "MatMul")] == 1 and (MS_DOMAIN, "Gelu") not in ops
+
+
+def test_gathered_rows_are_dequantized_by_cast_and_mul():
+    """An int8 embedding table: Gather(int8) -> Cast -> Mul(scale), equal to DequantizeLinear(axis=-1)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = np.random.default_rng(6).standard_normal((10, 8)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Gather", ["t", "ids"], ["y"], name="emb")], "emb",
+                          [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 8])],
+                          [numpy_helper.from_array(table, "t")])
+    model = ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    qdq.apply(model, qdq.find_targets(model, embeddings=True), {"emb": qdq.QConfig("gather")})
+    assert [n.op_type for n in model.graph] == ["Gather", "Cast", "Mul"]
+    ids = np.array([[0, 3, 9], [1, 1, 2]], np.int64)
+    got = run(make_session(model, optimize=False), [{"ids": ids}])[0]["y"]
+    q, s = qdq.quantize_weight(table, axis=1)
+    np.testing.assert_array_equal(got, q[ids].astype(np.float32) * s)
+
+
+def _matmul_sum() -> ir.Model:
+    """x -> MatMul(w) -> Sum(·, r, b) -> y (the residual form of ``fuse`` on CPU)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(8)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("Sum", ["h", "r", "b"], ["y"], name="res")],
+        "mm-sum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8]),
+                   helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 5, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 16])],
+        [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
+    return ir.serde.deserialize_model(m)
+
+
+@pytest.mark.parametrize("cfg", [
+    qdq.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
+    qdq.QConfig(mode="dynamic"),
+], ids=["static", "dynamic"])
+def test_residual_sum_bias_goes_into_the_integer_op(cfg):
+    model = _matmul_sum()
+    targets = qdq.find_targets(model)
+    assert targets[0].bias_sum is not None and targets[0].bias_sum.name == "res"
+    counts = qdq.apply(model, targets, {"mm": cfg})
+    assert counts["Sum bias->integer op"] == 1
+    s = next(n for n in model.graph if n.op_type == "Sum")
+    assert len(s.inputs) == 2 and "b" not in model.graph.initializers
+    feed = {"x": X, "r": RNG.standard_normal((2, 5, 16)).astype(np.float32)}
+    got = run(make_session(model, optimize=False), [feed])[0]["y"]
+    unfolded = _matmul_sum()
+    t = qdq.find_targets(unfolded)
+    t[0].bias_sum = None
+    qdq.apply(unfolded, t, {"mm": cfg})
+    assert len(next(n for n in unfolded.graph if n.op_type == "Sum").inputs) == 3
+    want = run(make_session(unfolded, optimize=False), [feed])[0]["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

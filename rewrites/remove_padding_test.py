@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from testmodels import embed_layernorm_prologue
 
 from graphopt import registry
+from graphopt.errors import UsageError
 from graphopt.metrics import compare
 from graphopt.runtime import make_session, run
 
@@ -241,20 +242,30 @@ def test_exact_on_real_tokens(case):
 
 @pytest.mark.parametrize("mha", ["bias", "kpm"])
 @pytest.mark.parametrize("groups", [0, 1, 3])
-def test_fused_attention_groups(mha, groups):
+@pytest.mark.parametrize("attention_op", ["mha", "onnx"])
+def test_fused_attention_groups(mha, groups, attention_op):
     feeds = [FEEDS[k] for k in ("right", "left", "no_padding", "batch1", "all_padding_row", "holes")]
 
     def factory():
         return _encoder(mha=mha)
 
-    got, _, cmp, model = _check_exact(factory, feeds, attention_groups=groups)
+    got, _, cmp, model = _check_exact(factory, feeds, attention_groups=groups, attention_op=attention_op)
     assert cmp.worst("max_abs") <= 1e-5, cmp.summary()
     for f, g in zip(feeds, got):
         out = g["last_hidden_state"]
         assert not np.isnan(out).any() and np.all(out[~f["attention_mask"].astype(bool)] == 0)
-    ops = collections.Counter(n.op_type for n in model.graph)
-    assert ops["MultiHeadAttention"] == max(groups, 1)
-    assert ops["TopK"] == (1 if groups else 0)
+    ops = collections.Counter((n.domain, n.op_type) for n in model.graph)
+    # attention_op=onnx: ONNX Attention (opset 23) for the groups of a key-padding-mask attention only
+    onnx_groups = attention_op == "onnx" and mha == "kpm" and groups > 0
+    assert ops[("com.microsoft", "MultiHeadAttention")] == (0 if onnx_groups else max(groups, 1))
+    assert ops[("", "Attention")] == (groups if onnx_groups else 0)
+    assert model.opset_imports[""] == (23 if onnx_groups else 17)
+    assert ops[("", "TopK")] == (1 if groups else 0)
+
+
+def test_attention_op_is_checked():
+    with pytest.raises(UsageError, match="attention_op"):
+        registry.create("remove-padding", {"attention_op": "flash"})
 
 
 @pytest.mark.parametrize("mask_layout", ["eln", "raw"])
@@ -340,7 +351,8 @@ def test_second_run_refuses():
 
 def test_registered_with_options():
     cls = registry.get("remove-padding")
-    assert cls.exact and cls.options() == {"packed_output": False, "attention_groups": 8, "packed_attention": True}
+    assert cls.exact and cls.options() == {"packed_output": False, "attention_groups": 8, "packed_attention": True,
+                                           "attention_op": "mha"}
 
 
 # ------------------------------------------------------------------ CUDA variant (PackedMultiHeadAttention)
@@ -624,11 +636,11 @@ def _minilm_feeds():
 MINILM_EXPORTS = [("torchscript", "eager"), ("torchscript", "sdpa"), ("dynamo", "eager"), ("dynamo", "sdpa")]
 
 
-def _minilm_exact(path, model: ir.Model) -> ir.Model:
+def _minilm_exact(path, model: ir.Model, **options) -> ir.Model:
     """remove-padding on ``model`` (from the export at ``path``) is exact on real tokens; the result."""
     feeds = _minilm_feeds()
     ref = run(make_session(path, optimize=False), feeds)
-    result = _apply(model)
+    result = _apply(model, **options)
     assert result.modified, result.notes
     got = run(make_session(result.model), feeds)
     cmp = compare(got, ref, feeds)
@@ -652,6 +664,18 @@ def test_minilm_fused(minilm, exporter, attn):
     ops = collections.Counter(n.op_type for n in _minilm_exact(path, model).graph)
     assert ops["EmbedLayerNormalization"] == 0 and ops["Attention"] == 0, ops
     assert ops["MultiHeadAttention"] == 6 * 8, ops  # 6 layers x 8 length groups
+
+
+@pytest.mark.slow
+def test_minilm_fused_onnx_attention(minilm):
+    """attention_op=onnx on MiniLM: 48 ONNX Attention (6 layers x 8 groups), opset 23, exact."""
+    path = minilm("dynamo", "sdpa")
+    model = ir.load(path)
+    registry.create("fuse")(model)
+    out = _minilm_exact(path, model, attention_op="onnx")
+    ops = collections.Counter((n.domain, n.op_type) for n in out.graph)
+    assert ops[("", "Attention")] == 48 and ops[("com.microsoft", "MultiHeadAttention")] == 0, ops
+    assert out.opset_imports[""] == 23
 
 
 @pytest.mark.slow

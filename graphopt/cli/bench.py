@@ -35,13 +35,16 @@ def command(
     With --threads 1,2,4 every thread count gets its own sessions and its own interleaved round-robin;
     the table adds each model's scaling (its throughput over its throughput at the first count).
 
+    Each model's sessions use the ONNX Runtime settings recorded in its metadata by `graphopt optimize`
+    (graph optimization level, execution mode, inter-op threads); --json lists them.
+
     Example: graphopt bench base.onnx opt.onnx --calib feeds/ --rounds 30 --threads 1,2
     """
     import json
 
     from graphopt import feeds as feeds_mod
     from graphopt import io
-    from graphopt.bench import bench_thread_counts, scaling
+    from graphopt.bench import bench_thread_counts, model_settings, scaling
     from graphopt.cli.console import make_console, table
     from graphopt.errors import UsageError
 
@@ -78,6 +81,7 @@ def command(
             rows.append(row)
     if json_:
         typer.echo(json.dumps({"feeds": feeds_mod.describe(feeds), "threads": counts[0] if len(counts) == 1 else counts,
+                               "session_settings": {n: model_settings(p) for n, p in names.items()},
                                "results": rows}, indent=2))
         return
     right = {"justify": "right", "no_wrap": True}

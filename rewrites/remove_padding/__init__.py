@@ -76,7 +76,7 @@ import logging
 
 import onnx_ir as ir
 
-from graphopt.errors import first_line
+from graphopt.errors import UsageError, first_line
 from graphopt.metrics import MASK_NAMES
 from graphopt.opsets import MS_DOMAIN, default_opset
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
@@ -97,8 +97,15 @@ class RemovePadding(GraphoptPass):
     run_after = ("fuse",)
     emits = (f"{MS_DOMAIN}::MultiHeadAttention", f"{MS_DOMAIN}::PackedMultiHeadAttention")
 
-    def __init__(self, *, packed_output: bool = False, attention_groups: int = 8, packed_attention: bool = True):
+    def __init__(self, *, packed_output: bool = False, attention_groups: int = 8, packed_attention: bool = True,
+                 attention_op: str = "mha"):
         super().__init__()
+        if attention_op not in ATTENTION_OPS:
+            raise UsageError(f"remove-padding.attention_op must be one of {', '.join(ATTENTION_OPS)}, "
+                             f"got {attention_op!r}")
+        #: the op of CPU length groups: ``mha`` (com.microsoft MultiHeadAttention) or ``onnx`` (ONNX
+        #: Attention, opset 23: the model's opset is raised to 23; ~30% faster attention on ORT 1.32 CPU)
+        self.attention_op = attention_op
         #: output ``[N, hidden]`` (real tokens, row-major) instead of ``[B, S, hidden]`` with zero padding
         self.packed_output = packed_output
         #: fused attention (com.microsoft MultiHeadAttention/Attention) runs on this many length-sorted
@@ -124,8 +131,13 @@ class RemovePadding(GraphoptPass):
         except Refusal as e:
             return _refused(model, str(e))
         notes = list(plan.notes)
-        rewrite(model, plan, packed_output=self.packed_output,
-                sum_norm=not cuda and default_opset(model) >= 17)
+        onnx_attention = rewrite(model, plan, packed_output=self.packed_output,
+                                 sum_norm=not cuda and default_opset(model) >= 17,
+                                 onnx_attention=self.attention_op == "onnx")
+        if onnx_attention:
+            model.opset_imports[""] = max(default_opset(model), ONNX_ATTENTION_OPSET)
+            notes.append(f"{onnx_attention} length groups run ONNX Attention: opset raised to "
+                         f"{model.opset_imports['']}")
         token_wise = plan.count(None)
         grouped = plan.count(AttentionStrategy.GROUPED)
         packed = plan.count(AttentionStrategy.PACKED)
@@ -140,6 +152,8 @@ class RemovePadding(GraphoptPass):
         counts = {"packed_ops": token_wise}
         if grouped:
             counts["grouped_attention"] = grouped
+        if onnx_attention:
+            counts["onnx_attention"] = onnx_attention
         if packed:
             counts["packed_attention"] = packed
         for note in notes:
@@ -147,6 +161,11 @@ class RemovePadding(GraphoptPass):
         logger.info("remove-padding: %d ops run on packed tokens, %d attention ops grouped by length, "
                     "%d PackedMultiHeadAttention", token_wise, grouped, packed)
         return PassResult(model, True, notes=notes, rule_counts=counts)
+
+
+#: ``attention_op`` values; ONNX's Attention op (with a CPU kernel in ORT >= 1.23) needs this opset
+ATTENTION_OPS = ("mha", "onnx")
+ONNX_ATTENTION_OPSET = 23
 
 
 def _refused(model: ir.Model, reason: str) -> PassResult:

@@ -34,16 +34,19 @@ from .probe import Dim
 _FILL = float(np.finfo(np.float32).min)
 
 
-def rewrite(model: ir.Model, plan: Plan, *, packed_output: bool, sum_norm: bool) -> None:
-    """Rewrite ``model`` in place as ``plan`` says.
+def rewrite(model: ir.Model, plan: Plan, *, packed_output: bool, sum_norm: bool, onnx_attention: bool = False) -> int:
+    """Rewrite ``model`` in place as ``plan`` says; returns how many ONNX ``Attention`` (opset 23) it emitted.
 
     ``packed_output``: graph outputs are ``[N, ...]`` real-token rows instead of ``[B, S, ...]``;
-    ``sum_norm``: a packed EmbedLayerNormalization ends in Sum + LayerNormalization (the CPU form).
+    ``sum_norm``: a packed EmbedLayerNormalization ends in Sum + LayerNormalization (the CPU form);
+    ``onnx_attention``: length groups with a key padding mask (no attention bias) run ONNX ``Attention``
+    (the projection bias added after each Q/K/V MatMul, a bool ``[B_g, 1, L_g, L_g]`` mask per group)
+    instead of com.microsoft MultiHeadAttention; the caller raises the model's opset to 23.
     """
     graph = model.graph
     tape = ir.tape.Tape()
     index = PackIndex(tape, plan.mask)
-    attention = _Attention(tape, index, plan, graph)
+    attention = _Attention(tape, index, plan, graph, onnx_attention=onnx_attention)
     twin: dict[int, ir.Value] = {}
     new_nodes: list[ir.Node] = []
     for step in plan.steps:
@@ -79,6 +82,7 @@ def rewrite(model: ir.Model, plan: Plan, *, packed_output: bool, sum_norm: bool)
     graph.remove(removed, safe=True)
     _dedupe_names(graph)
     graph.sort()
+    return attention.onnx_emitted
 
 
 def _packed_inputs(step: Step, index: PackIndex, twin: dict[int, ir.Value]) -> list[ir.Value | None]:
@@ -219,10 +223,14 @@ def _mask_index(tape: ir.tape.Tape, node: ir.Node) -> ir.Value:
 class _Attention:
     """Emits fused attention on packed tokens; the group / packed-attention indexes are built on first use."""
 
-    def __init__(self, tape: ir.tape.Tape, index: PackIndex, plan: Plan, graph: ir.Graph):
+    def __init__(self, tape: ir.tape.Tape, index: PackIndex, plan: Plan, graph: ir.Graph, *,
+                 onnx_attention: bool = False):
         self.tape, self.index, self.plan, self.graph = tape, index, plan, graph
         self._groups: GroupIndex | None = None
         self._packed: PackedAttentionIndex | None = None
+        self.onnx_attention = onnx_attention
+        self.onnx_emitted = 0
+        self._bool_masks: dict[tuple[int, int], ir.Value] = {}
 
     def emit(self, step: Step, inputs: list[ir.Value | None]) -> ir.Value:
         """The packed ``[1, N+1, Hv]`` context of a planned attention step."""
@@ -241,13 +249,15 @@ class _Attention:
             out.name = f"{node.outputs[0].name}_packed_mha"
             return t.op("Unsqueeze", [out, const_ints(t, [0])])
         if self._groups is None:
-            self._groups = GroupIndex(t, self.index, self.plan.groups)
+            self._groups = GroupIndex(t, self.index, self.plan.groups, nonempty=self.onnx_attention)
         groups = self._groups
         q, k, v, bias, kpm, attn_bias = self._packed_qkv(node, inputs)
         if kpm is None and attn_bias is None:
             raise AssertionError("the plan admits only masked attention")
         hv = self.plan.labels(node.outputs[0])[2]
         lead_batch = attn_bias is not None and self.plan.labels(attn_bias)[0] == Dim.B
+        if self.onnx_attention and kpm is not None and attn_bias is None and attrs.stateless_bidirectional:
+            return self._onnx_groups(node, attrs, q, k, v, bias, kpm, int(hv))
         parts = []
         for g in range(groups.groups):
             ins = attention_input_list(
@@ -260,6 +270,50 @@ class _Attention:
             parts.append(t.op("Reshape", [out, const_ints(t, [-1, int(hv)])]))
         flat = t.op("Concat", parts, {"axis": 0}) if len(parts) > 1 else parts[0]
         return t.op("Gather", [flat, groups.inverse], {"axis": 0})
+
+    def _onnx_groups(self, node: ir.Node, attrs, q, k, v, bias, kpm, hv: int) -> ir.Value:
+        """The length groups as ONNX ``Attention`` (opset 23): ~30% faster than com.microsoft
+        MultiHeadAttention on ORT 1.32's CPU at MiniLM's group shapes, the same numbers. The projection
+        bias is added to the packed Q/K/V (``quantize`` folds those Adds into its integer ops)."""
+        t, groups = self.tape, self._groups
+        if bias is not None:
+            sizes = attrs.qkv_sizes(int(self.plan.labels(bias)[0]))
+            b_all = bias.const_value.numpy() if bias.const_value is not None else None
+            starts = (0, sizes[0], sizes[0] + sizes[1])
+            added = []
+            for i, (x, lo) in enumerate(zip((q, k, v), starts)):
+                hi = lo + sizes[i]
+                if b_all is not None:
+                    b = _slice_initializer(self.graph, bias, f"bias_{'qkv'[i]}", np.ascontiguousarray(b_all[lo:hi]))
+                else:
+                    b = t.op("Slice", [bias, const_ints(t, [lo]), const_ints(t, [hi]), const_ints(t, [0])])
+                added.append(t.op("Add", [x, b]))
+                provenance.inherit(added[-1].producer(), node)
+            q, k, v = added
+        kw: dict[str, int | float] = {"q_num_heads": int(attrs.num_heads), "kv_num_heads": int(attrs.num_heads)}
+        if attrs.scale is not None:
+            kw["scale"] = float(attrs.scale)
+        parts = []
+        for g in range(groups.groups):
+            out = t.op("Attention", [groups.gather(q, g), groups.gather(k, g), groups.gather(v, g),
+                                     self._bool_mask(kpm, g)], kw)
+            provenance.inherit(out.producer(), node)
+            parts.append(t.op("Reshape", [out, const_ints(t, [-1, hv])]))
+            self.onnx_emitted += 1
+        flat = t.op("Concat", parts, {"axis": 0}) if len(parts) > 1 else parts[0]
+        return t.op("Gather", [flat, groups.inverse], {"axis": 0})
+
+    def _bool_mask(self, kpm: ir.Value, g: int) -> ir.Value:
+        """Group ``g``'s key padding mask as ONNX Attention's bool ``[B_g, 1, L_g, L_g]`` (made once)."""
+        key = (id(kpm), g)
+        if key not in self._bool_masks:
+            t = self.tape
+            keys = t.op("Cast", [self._groups.key_mask(kpm, g)], {"to": ir.DataType.BOOL})  # [Bg, Lg]
+            shape = t.op("Shape", [keys])
+            rows, length = (t.op("Slice", [shape, const_ints(t, [i]), const_ints(t, [i + 1])]) for i in (0, 1))
+            target = t.op("Concat", [rows, const_ints(t, [1]), length, length], {"axis": 0})
+            self._bool_masks[key] = t.op("Expand", [t.op("Unsqueeze", [keys, const_ints(t, [1, 2])]), target])
+        return self._bool_masks[key]
 
     def _packed_qkv(self, node: ir.Node, inputs: list[ir.Value | None]) -> tuple:
         """Packed (q, k, v, projection bias, key padding mask, attention bias) of an attention step."""

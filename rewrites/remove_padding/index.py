@@ -150,13 +150,14 @@ class GroupIndex:
     """Length-sorted groups of rows, for attention on compact per-group layouts (built once).
 
     Rows are sorted by real length (descending) and cut into ``groups`` consecutive groups of about
-    ``B / groups`` rows; group ``g`` is laid out as ``[B_g, L_g]`` with ``L_g`` its longest row, real
+    ``B / groups`` rows (with ``nonempty``, a group left without rows when ``B < groups`` gets one row of
+    filler slots); group ``g`` is laid out as ``[B_g, L_g]`` with ``L_g`` its longest row, real
     tokens first, filler slots (masked keys) after. ``map`` gives the packed row of each slot (the
     scratch row ``N`` for fillers), ``seq_pos`` its position in the original padded row, ``inverse`` the slot of each packed
     row in the concatenation of all groups (flattened).
     """
 
-    def __init__(self, tape: ir.tape.Tape, index: PackIndex, groups: int):
+    def __init__(self, tape: ir.tape.Tape, index: PackIndex, groups: int, *, nonempty: bool = False):
         t = self.tape = tape
         self.index = index
         self.groups = groups
@@ -181,6 +182,11 @@ class GroupIndex:
             hi = t.op("Div", [t.op("Mul", [batch, const_ints(t, [g + 1])]), const_ints(t, [groups])])
             rows = t.op("Slice", [order, lo, hi])  # [Bg]
             lens = t.op("Slice", [sorted_len, lo, hi])
+            if nonempty:  # an empty group (B < groups) gets one row of filler slots: ONNX Attention needs B >= 1
+                need = t.op("Sub", [const_ints(t, [1]), t.op("Min", [t.op("Shape", [rows]), const_ints(t, [1])])])
+                pad = t.op("Slice", [const_ints(t, [0]), const_ints(t, [0]), need])  # [] or [0]
+                rows = t.op("Concat", [rows, pad], {"axis": 0})
+                lens = t.op("Concat", [lens, pad], {"axis": 0})
             longest = t.op("ReduceMax", [t.op("Concat", [lens, const_ints(t, [1])], {"axis": 0})], {"keepdims": 0})
             j = t.op("Range", [const_scalar(t, 0), longest, const_scalar(t, 1)])  # [Lg]
             first = t.op("Unsqueeze", [t.op("Gather", [starts, rows], {"axis": 0}), const_ints(t, [1])])
