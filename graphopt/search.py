@@ -188,8 +188,10 @@ def plan(families: Sequence[str], provider: str, classifier: bool) -> tuple[list
     c: list[Candidate] = []
     notes: list[str] = []
     if q in fam:
-        c += [Candidate("int8", "default", (_step(q),)),
-              Candidate("int8-dynamic", "default", (_step(q, mode="dynamic"),))]
+        c += [Candidate("int8", "default", (_step(q),)),  # the `int8` recipe
+              Candidate("int8-dynamic", "default", (_step(q, mode="dynamic"),)),
+              # every layer int8, no search for float layers: the fastest int8 form, if the budget allows
+              Candidate("int8-static-all", "default", (_step(q, mode="static", mixed=False),))]
     if ph in fam:
         c.append(Candidate("prune-heads", "default", (_step(ph),)))
     if sp in fam:
@@ -217,9 +219,8 @@ def plan(families: Sequence[str], provider: str, classifier: bool) -> tuple[list
         if "early-exit" in fam and classifier:
             c.append(Candidate("int8+early-exit", "no-padding-removal", (_step(q), _step("early-exit")),
                                stage=2, needs="early-exit"))
-        if provider == "cpu":
+        if provider == "cpu":  # measured slower than int8 on MiniLM (docs/benchmarks.md): last
             c.append(Candidate("int4-rtn", "default", (_step(q, mode="int4", int4_method="rtn"),), stage=2))
-        c.append(Candidate("int8-static-all", "default", (_step(q, mode="static", mixed=False),), stage=2))
     return c, notes
 
 
@@ -557,6 +558,7 @@ def search(
                 in_flight[runner.submit(cand, inc)] = cand
             if not in_flight:
                 if time.perf_counter() >= deadline:
+                    timed_out = bool(pending or later)
                     break
                 continue
             done, _ = concurrent.futures.wait(list(in_flight), timeout=max(0.0, deadline - time.perf_counter()),
