@@ -23,8 +23,9 @@
 4. The fastest candidates that meet the budget on the held-back feeds (at most :data:`FINAL_DUEL`) are
    timed against each other once more, interleaved in one process; the fastest is chosen.
 
-Trials run in this process (``workers=1``), in ``workers`` spawned processes
-(``concurrent.futures``), or as tasks on a Ray cluster (``ray_address``; the ``graphopt[ray]`` extra).
+Trials run in ``workers`` spawned processes (``concurrent.futures``; default one, so that a trial past the
+time limit can be stopped; 0: in this process), or as tasks on a Ray cluster (``ray_address``; the
+``graphopt[ray]`` extra).
 The search stops submitting trials when ``time_limit`` is spent (running ones are stopped); Ctrl-C keeps
 the best so far (``SearchResult.interrupted``). A budget no lossy candidate meets is a
 ``VerificationError`` from :func:`write` (exit 3): nothing is written.
@@ -360,7 +361,7 @@ class _Runner:
 
     def __init__(self, shared: _Shared, workers: int, ray_address: str | None):
         self.shared, self.kind, self._ray_started = shared, "inline", False
-        self.capacity = 1
+        self.capacity = 1  # workers == 0: in this process, one at a time
         self._pool = None
         self._inc_cache: tuple[str, Any] | None = None
         if ray_address:
@@ -378,12 +379,12 @@ class _Runner:
             cpus = int(ray.cluster_resources().get("CPU", 1))
             self.capacity = max(1, workers if workers > 1 else cpus)
             self.kind = f"ray ({ray_address}, {cpus} CPUs)"
-        elif workers > 1:
+        elif workers >= 1:  # even one: a trial past the time limit (or Ctrl-C) can then be stopped
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(shared,))
             self.capacity = workers
-            self.kind = f"{workers} processes"
+            self.kind = f"{workers} process{'es' if workers > 1 else ''}"
 
     def submit(self, cand: Candidate, incumbent: tuple[str, bytes] | None) -> concurrent.futures.Future:
         if self.kind.startswith("ray"):
@@ -466,8 +467,8 @@ def search(
     if unknown:
         raise UsageError(f"--search-passes: {unknown[0]!r} is not a lossy pass the search knows",
                          hint="choose from " + ", ".join(FAMILIES))
-    if workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {workers}")
+    if workers < 0:
+        raise UsageError(f"--workers must be >= 0 (0: trials in this process), got {workers}")
     budget = budget if isinstance(budget, Budget) else parse_budget(budget)
     notes: list[str] = []
     if not budget:
