@@ -108,11 +108,15 @@ class Trial:
     vs_best: float | None = None
     #: the final duel's speed vs the lossless recipe (the fastest candidates within budget, one process)
     duel_speedup: float | None = None
+    #: an earlier candidate that built the very same model (its bytes), if any
+    same_as: str = ""
     best_at_submit: str = ""
     worker: str = ""
     seconds: float = 0.0
     cached_steps: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: sha256 of the serialized model
+    digest: str = ""
     #: the serialized model (feasible candidates only; not in the report)
     model: bytes | None = dataclasses.field(default=None, repr=False)
 
@@ -326,6 +330,7 @@ def run_trial(shared: _Shared, cand: Candidate, incumbent: tuple[str, bytes] | N
             trial.reason = "; ".join(budget.failures(c_cal) and [f"calibration: {f}" for f in budget.failures(c_cal)]
                                      or [f"held-back: {f}" for f in budget.failures(c_held)])
         data = _to_bytes(model)
+        trial.digest = hashlib.sha256(data).hexdigest()
         models = {"base": shared.bases["default"], "candidate": data}
         if incumbent is not None:
             models["best"] = incumbent[1]
@@ -527,8 +532,13 @@ def search(
     in_flight: dict[concurrent.futures.Future, Candidate] = {}
     interrupted = timed_out = False
 
+    built: dict[str, str] = {}  # model digest -> first candidate that built it
+
     def take(trial: Trial) -> None:
         nonlocal best
+        if trial.digest:
+            trial.same_as = built.setdefault(trial.digest, trial.name)
+            trial.same_as = "" if trial.same_as == trial.name else trial.same_as
         trial.model = trial.model if trial.meets_budget else None
         trials[trial.name] = trial
         if trial.status == "ok" and trial.meets_budget:

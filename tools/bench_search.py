@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    ap.add_argument("--chosen", help="reuse the search outputs in this folder (no new search)")
+    ap.add_argument("--search-passes", help="the lossy passes to search (default: all)")
+    ap.add_argument("--name", default="chosen", help="file stem of the search outputs in --out")
+    ap.add_argument("--chosen", help="reuse the search outputs (--name) in this folder (no new search)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recipes in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
     chosen_dir = Path(args.chosen) if args.chosen else out
-    report_path = chosen_dir / "chosen.search.json"
+    report_path = chosen_dir / f"{args.name}.search.json"
+    fams = args.search_passes.split(",") if args.search_passes else None
     if not args.chosen:
         t0 = time.perf_counter()
 
@@ -117,15 +120,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{t.reason[:120]} [{t.seconds:.0f} s]", file=sys.stderr, flush=True)
 
         result = search_mod.search(model, calib=calib_dir, budget=budget, time_limit=args.time_limit,
-                                   workers=args.workers, on_event=progress)
+                                   workers=args.workers, families=fams, on_event=progress)
         try:
-            search_mod.write(result, chosen_dir / "chosen.onnx", report=report_path, calib=calib_dir)
+            search_mod.write(result, chosen_dir / f"{args.name}.onnx", report=report_path, calib=calib_dir)
         except Exception as e:  # nothing met the budget: the report still says why
             print(f"search: {e}", file=sys.stderr)
         print(f"search in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     rep = json.loads(report_path.read_text())
-    if (chosen_dir / "chosen.onnx").exists():
-        paths[f"chosen: {rep['chosen']}"] = chosen_dir / "chosen.onnx"
+    if rep["chosen"] and (chosen_dir / f"{args.name}.onnx").exists():
+        paths[f"chosen: {rep['chosen']}"] = chosen_dir / f"{args.name}.onnx"
 
     ref = list(run_model(str(model), unseen))
     ref_pool = _pooled(ref, unseen)
@@ -161,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         def g(v):
             return f"{v:.5f}" if isinstance(v, float) else "-"
 
+        why = t["reason"][:90] if not t["meets_budget"] else (f"same model as {t['same_as']}" if t.get("same_as") else "")
         print(f"| {t['name']} | {t['status']} | {f(t['speedup'])} | {f(t['duel_speedup'])} | {g(t['held'].get('cosine'))} | "
-              f"{g(t['held'].get('cosine_min'))} | {'' if t['meets_budget'] else t['reason'][:90]} |")
+              f"{g(t['held'].get('cosine_min'))} | {why} |")
     for n in rep["notes"]:
         print(f"- {n}")
     if args.json:

@@ -82,10 +82,12 @@ def render(result, console) -> None:
 
     t = table(f"graphopt --search under {result.budget} ({result.workers}, {result.seconds:.0f} s)",
               [("candidate", {"no_wrap": True}), "status", ("× lossless", {"justify": "right"}),
+               ("final duel", {"justify": "right"}),
                ("held-back " + result.metric, {"justify": "right"}), "budget", "pareto"])
     for tr in result.trials:
         t.add_row(tr.name + (" ★" if result.chosen is tr else ""), tr.status,
                   f"{tr.speedup:.2f}" if tr.speedup is not None else "-",
+                  f"{tr.duel_speedup:.2f}" if tr.duel_speedup is not None else "",
                   f"{tr.held[result.metric]:.5f}" if result.metric in tr.held else "-",
                   "meets" if tr.meets_budget else (tr.reason or "-")[:70], "yes" if tr.name in result.pareto else "")
     console.print(t)
