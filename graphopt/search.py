@@ -170,6 +170,8 @@ class SearchResult:
             "chosen": self.chosen.name if self.chosen else None,
             "recipe": _recipe_dict(self.recipe) if self.recipe else None,
             "pareto": [self._point(t) for t in self.trials if t.name in self.pareto],
+            "pareto_by_metric": {m: pareto_front(self.trials, m)
+                                 for m in dict.fromkeys(t.metric for t in parse_budget(self.budget).terms)},
             "final_duel": self.duel, "notes": self.notes,
             "candidates": [t.as_dict() for t in self.trials],
         })
@@ -736,43 +738,50 @@ def chosen_speedup(t: Trial) -> float:
     return t.duel_speedup if t.duel_speedup is not None else (t.speedup or 0.0)
 
 
-def plot(result: SearchResult) -> bytes:
-    """The Pareto front (speed vs held-back quality) as PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metric = result.metric
+def _panel(ax, result: SearchResult, metric: str, terms) -> None:
+    """One budget metric against speed: every measured candidate, that metric's Pareto front, the budget line."""
     # similarity metrics (cosine, top1) crowd under 1: plot their loss 1 - value on a log scale
     loss = METRICS[metric] and metric != "mismatch"
 
     def y(v: float) -> float:
         return max(1.0 - v, 1e-7) if loss else v
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     pts = [t for t in result.trials if t.speedup is not None and metric in t.held and math.isfinite(t.held[metric])]
     for ok, color, label in ((True, "tab:green", "meets the budget"), (False, "tab:red", "misses the budget")):
         sel = [t for t in pts if (t.meets_budget or t.status == "reference") == ok]
         ax.scatter([t.speedup for t in sel], [y(t.held[metric]) for t in sel], c=color, label=label, zorder=3)
     for t in pts:
         ax.annotate(t.name, (t.speedup, y(t.held[metric])), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    front = sorted((t for t in pts if t.name in result.pareto), key=lambda t: t.speedup)
+    names = set(pareto_front(pts, metric))
+    front = sorted((t for t in pts if t.name in names), key=lambda t: t.speedup)
     if front:
         ax.plot([t.speedup for t in front], [y(t.held[metric]) for t in front], "--", c="gray", label="Pareto front")
     if result.chosen is not None and result.chosen in pts:
         ax.scatter([result.chosen.speedup], [y(result.chosen.held[metric])], s=220, facecolors="none",
                    edgecolors="black", label=f"chosen: {result.chosen.name}", zorder=4)
-    for t in parse_budget(result.budget).terms:
-        if t.metric == metric:
-            ax.axhline(y(t.value), c="tab:orange", lw=1, label=f"budget {t}")
+    for t in terms:
+        ax.axhline(y(t.value), c="tab:orange", lw=1, label=f"budget {t}")
     if loss:
         ax.set_yscale("log")
     ax.set_xlabel("speed vs the lossless recipe (x, interleaved in each trial)")
-    ax.set_ylabel(f"1 - {metric} on held-back feeds (lower is better)" if loss else f"{metric} on held-back feeds")
-    ax.set_title(f"graphopt --search: {Path(result.input).name}", fontsize=9)
+    ax.set_ylabel(f"1 - {metric} (lower is better)" if loss else metric)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
+
+
+def plot(result: SearchResult) -> bytes:
+    """Speed against held-back quality, one panel per budget metric with its Pareto front, as PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    terms = parse_budget(result.budget).terms
+    metrics = list(dict.fromkeys(t.metric for t in terms)) or [result.metric]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.5), dpi=110, squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        _panel(ax, result, metric, [t for t in terms if t.metric == metric])
+    fig.suptitle(f"graphopt --search: {Path(result.input).name} (held-back feeds)", fontsize=9)
     buf = _io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
