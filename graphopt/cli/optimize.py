@@ -60,7 +60,7 @@ def command(
     search: Annotated[bool, typer.Option("--search", help="Search the lossy passes' settings for the fastest model within --budget; writes OUT, OUT's .search.toml (its recipe), .search.json and .pareto.png.")] = False,
     time_limit: Annotated[str, typer.Option("--time-limit", help="--search: time to spend, e.g. 10m, 90s.")] = "10m",
     workers: Annotated[int, typer.Option("--workers", help="--search: trials in parallel worker processes (0: in this process).")] = 1,
-    ray: Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="--search: run the trials on this Ray cluster ('auto', 'local', host:port; needs graphopt[ray]).")] = None,
+    ray: Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="--search: run the trials on this Ray cluster ('auto', 'local', host:port; needs the ray extra of graphopt).")] = None,
     search_passes: Annotated[str | None, typer.Option("--search-passes", help="--search: the lossy passes to explore (default: all).")] = None,
     json_: Json = False,
     quiet: Quiet = False,
