@@ -21,13 +21,15 @@
    in one process, round-robin, on the calibration feeds (the workload's real lengths), one thread,
    spinning off. Speed ratios are only ever taken between models timed in that one process.
 4. The fastest candidates that meet the budget on the held-back feeds (at most :data:`FINAL_DUEL`) are
-   timed against each other once more, interleaved in one process; the fastest is chosen.
+   timed against each other and the lossless model once more, interleaved in one process; the fastest
+   is chosen. The lossless model is a candidate too: it wins where no lossy one within budget is faster
+   (or none meets the budget).
 
 Trials run in ``workers`` spawned processes (``concurrent.futures``; default one, so that a trial past the
 time limit can be stopped; 0: in this process), or as tasks on a Ray cluster (``ray_address``; the
 ``graphopt[ray]`` extra).
 The search stops submitting trials when ``time_limit`` is spent (running ones are stopped); Ctrl-C keeps
-the best so far (``SearchResult.interrupted``). A budget no lossy candidate meets is a
+the best so far (``SearchResult.interrupted``). A budget nothing meets, not even the lossless model, is a
 ``VerificationError`` from :func:`write` (exit 3): nothing is written.
 """
 
@@ -541,9 +543,9 @@ def search(
         if trial.digest:
             trial.same_as = built.setdefault(trial.digest, trial.name)
             trial.same_as = "" if trial.same_as == trial.name else trial.same_as
-        trial.model = trial.model if trial.meets_budget else None
+        trial.model = trial.model if trial.meets_budget and not trial.same_as else None
         trials[trial.name] = trial
-        if trial.status == "ok" and trial.meets_budget:
+        if trial.status == "ok" and trial.meets_budget and not trial.same_as:
             if best is None:
                 best = trial
             elif trial.best_at_submit == best.name and trial.vs_best is not None:
@@ -604,14 +606,21 @@ def search(
                      "candidates not measured")
 
     ordered = [base_trial] + [trials[c.name] for c in cands if c.name in trials]
-    feasible = sorted((t for t in ordered if t.status == "ok" and t.meets_budget and t.model is not None),
+    feasible = sorted((t for t in ordered if t.status == "ok" and t.meets_budget and t.model is not None
+                       and not t.same_as),  # a model built twice is timed once
                       key=lambda t: -(t.speedup or 0))
+    # the lossless model is a candidate too: it meets any budget its verification meets, at 1.0x
+    if base_trial.meets_budget:
+        base_trial.model = bases["default"]
     duel: list[dict] = []
-    chosen = best
-    if len(feasible) > 1 and not interrupted:
-        chosen, duel = _duel(feasible[:FINAL_DUEL], shared, emit)
-    elif feasible and chosen is None:
-        chosen = feasible[0]
+    if feasible and not interrupted:
+        chosen, duel = _duel(feasible[:FINAL_DUEL], base_trial, shared, emit)
+    else:  # interrupted: no more timing, the trials' own ratios to the lossless model decide
+        pool = feasible + ([base_trial] if base_trial.model is not None else [])
+        chosen = max(pool, key=lambda t: t.speedup or 0.0, default=None)
+    if chosen is base_trial:
+        notes.append("no lossy candidate within the budget was faster than the lossless recipe: chose the lossless model"
+                     if feasible else "no lossy candidate met the budget: chose the lossless recipe's model")
     recipe = None
     if chosen is not None:
         rec = base_recipes[chosen.base]
@@ -624,21 +633,22 @@ def search(
         time_limit=limit, workers=runner.kind, interrupted=interrupted, timed_out=timed_out, duel=duel, notes=notes)
 
 
-def _duel(trials: list[Trial], shared: _Shared, emit) -> tuple[Trial, list[dict]]:
-    """Time the fastest candidates within budget against each other, interleaved in this one process."""
+def _duel(trials: list[Trial], lossless: Trial, shared: _Shared, emit) -> tuple[Trial, list[dict]]:
+    """Time the fastest candidates within budget and the lossless model against each other, interleaved in
+    this one process; the fastest wins (the lossless model only when it meets the budget)."""
     from graphopt import runtime
     from graphopt.bench import bench_sessions
 
     calib, _ = feeds_mod.split_feeds(shared.feeds)
-    models = {"lossless": shared.bases["default"], **{t.name: t.model for t in trials}}
+    models = {lossless.name: shared.bases["default"], **{t.name: t.model for t in trials}}
     res = _bench(models, calib, shared.provider, max(shared.rounds, 2 * shared.rounds), runtime, bench_sessions)
-    base = next(r for r in res if r.name == "lossless")
+    base = next(r for r in res if r.name == lossless.name)
     rows = [{"name": r.name, "p50_ms": 1e3 * r.p50, "speedup": base.p50 / r.p50} for r in res]
-    fastest = min((r for r in res if r.name != "lossless"), key=lambda r: r.p50)
-    for t in trials:
+    entrants = trials + ([lossless] if lossless.model is not None else [])
+    for t in entrants:
         t.duel_speedup = next(row["speedup"] for row in rows if row["name"] == t.name)
     emit("duel", {"rows": rows})
-    return next(t for t in trials if t.name == fastest.name), rows
+    return max(entrants, key=lambda t: t.duel_speedup), rows
 
 
 def pareto_front(trials: Sequence[Trial], metric: str) -> list[str]:
@@ -707,7 +717,7 @@ def write(result: SearchResult, out: str | os.PathLike, *, report: str | os.Path
     paths = paths_for(out)
     if report is not None:
         paths["report"] = Path(report)
-    if result.chosen is None or result.chosen.model is None:
+    if result.chosen is None or result.chosen.model is None:  # not even the lossless model met the budget
         if report is not None:
             io.write_atomic(paths["report"], json.dumps(result.to_dict(), indent=1))
         tried = [t for t in result.trials if t.status == "ok" and t.name != "lossless"]
@@ -715,9 +725,9 @@ def write(result: SearchResult, out: str | os.PathLike, *, report: str | os.Path
                       default=None)
         detail = f"; closest: {closest.name} ({closest.reason})" if closest is not None else ""
         raise VerificationError(
-            f"no candidate meets the budget {result.budget} ({len(tried)} measured){detail}",
-            hint="nothing written, the input is unchanged; loosen --budget, or optimize without --search "
-                 "for the lossless recipe")
+            f"no candidate meets the budget {result.budget}, not even the lossless recipe's model "
+            f"({len(tried)} lossy candidates measured){detail}",
+            hint="nothing written, the input is unchanged; loosen --budget")
     model = _from_bytes(result.chosen.model)
     io.save(model, out, src=src, in_place=in_place)
     header = (f"# chosen by graphopt optimize --search: {result.chosen.name}, "

@@ -99,14 +99,15 @@ def test_cli_search_writes_the_chosen_model_and_a_recipe_that_reproduces_it(run_
             np.testing.assert_array_equal(x[k], y[k])
 
 
-def test_a_budget_nothing_meets_exits_3_and_writes_nothing(run_cli, mlp, tmp_path):
-    path, calib = mlp
+def test_a_budget_nothing_meets_exits_3_and_writes_nothing(run_cli, tiny_bert, tmp_path):
+    """Not even the lossless model (fusions reorder float sums) is within max_abs<=0."""
+    path, calib = tiny_bert
     before = _digest(path)
     out = tmp_path / "out.onnx"
-    code, _, err = run_cli("optimize", path, "-o", out, "--calib", calib, "--budget", "cosine>=0.9999999",
-                           "--budget", "max_abs<=1e-9", "--search", "--search-passes", "quantize", "--time-limit", "2m")
+    code, _, err = run_cli("optimize", path, "-o", out, "--calib", calib, "--budget", "max_abs<=0",
+                           "--search", "--search-passes", "quantize", "--time-limit", "2m")
     assert code == 3
-    assert "no candidate meets the budget" in err and "nothing written" in err
+    assert "no candidate meets the budget max_abs<=0, not even the lossless" in err and "nothing written" in err
     assert list(tmp_path.glob("out*")) == []
     assert _digest(path) == before
 
@@ -120,7 +121,16 @@ def test_api_search_declines_and_reasons(mlp):
     assert by["prune-heads"].status == "declined" and "prune-heads" in by["prune-heads"].reason
     assert by["sparsify-neurons"].status == "declined"
     assert by["prune-heads-50+int8"].status == "skipped" and "'prune-heads' alone" in by["prune-heads-50+int8"].reason
-    assert res.chosen is not None and res.chosen.meets_budget and res.chosen.name.startswith("int")
+    # int8-static-all builds the int8 model again: timed once, never chosen as itself
+    assert by["int8-static-all"].same_as == "int8" and by["int8-static-all"].model is None
+    assert by["int8-static-all"].duel_speedup is None
+    assert res.chosen is not None and res.chosen.meets_budget and res.chosen.name != "int8-static-all"
+    duel = {row["name"]: row["speedup"] for row in res.duel}
+    assert "lossless" in duel and res.chosen.name == max(duel, key=duel.get)
+    if res.chosen.name == "lossless":  # on this tiny MLP int8 kernels may lose to float
+        assert [s.pass_name for s in res.recipe.steps] == ["cleanup", "cut-positions", "fuse", "remove-padding"]
+        assert any("faster than the lossless recipe" in n for n in res.notes)
+        return
     assert res.recipe.steps[-1].pass_name == "quantize"
     # the budget is checked against the input model's outputs on the held-back feeds
     model = search._from_bytes(res.chosen.model)
@@ -134,11 +144,12 @@ def test_api_search_declines_and_reasons(mlp):
 def test_time_limit_stops_and_ctrl_c_keeps_the_best_so_far(mlp):
     path, calib = mlp
     res = search.search(path, calib=calib, budget="cosine>=0.99", families=["quantize"], time_limit=0.01)
-    assert res.timed_out and res.chosen is None
-    assert {t.status for t in res.trials[1:]} == {"stopped"}
-    with pytest.raises(VerificationError):
-        search.write(res, path.parent / "never.onnx")
-    assert not (path.parent / "never.onnx").exists()
+    assert res.timed_out and {t.status for t in res.trials[1:]} == {"stopped"}
+    # nothing lossy measured: the lossless model (it meets the budget) is the best there is
+    assert res.chosen is res.trials[0] and res.chosen.name == "lossless"
+    assert any("no lossy candidate met the budget" in n for n in res.notes)
+    paths = search.write(res, path.parent / "lossless.onnx")
+    assert paths["model"].exists()
 
     def interrupt(kind, info):
         if kind == "trial" and info["best"] is not None:
@@ -146,9 +157,11 @@ def test_time_limit_stops_and_ctrl_c_keeps_the_best_so_far(mlp):
 
     res = search.search(path, calib=calib, budget="cosine>=0.99", families=["quantize"], time_limit=120,
                         on_event=interrupt)
-    assert res.interrupted and res.chosen is not None and res.chosen.name == "int8"
-    assert any("interrupted" in n for n in res.notes)
+    assert res.interrupted and any("interrupted" in n for n in res.notes)
+    assert res.trials[1].name == "int8" and res.trials[1].status == "ok"
     assert [t.status for t in res.trials[2:]] == ["stopped"] * (len(res.trials) - 2)
+    # no final duel after Ctrl-C: the trial's own ratio to the lossless model decides
+    assert not res.duel and res.chosen.name == ("int8" if res.trials[1].speedup > 1.0 else "lossless")
     paths = search.write(res, path.parent / "best.onnx")
     assert paths["model"].exists() and json.loads(paths["report"].read_text())["interrupted"] is True
 
@@ -204,3 +217,14 @@ def test_pareto_front():
     trials = [T("a", "d", [], speedup=1.0, held={"max_abs": 0.1}), T("b", "d", [], speedup=2.0, held={"max_abs": 0.2}),
               T("c", "d", [], speedup=1.0, held={"max_abs": 0.3})]
     assert search.pareto_front(trials, "max_abs") == ["a", "b"]
+
+
+def test_write_without_a_chosen_model_writes_nothing(tmp_path):
+    res = search.SearchResult(input="m.onnx", budget="cosine>=0.99", provider="cpu", trials=[], chosen=None,
+                              recipe=None, pareto=[], metric="cosine", seconds=1.0, time_limit=60, workers="1 process")
+    with pytest.raises(VerificationError, match="not even the lossless"):
+        search.write(res, tmp_path / "out.onnx")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(VerificationError):
+        search.write(res, tmp_path / "out.onnx", report=tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["chosen"] is None  # asked for: the report only
