@@ -134,7 +134,6 @@ class _Shared:
 
     session: str
     bases: dict[str, bytes]
-    base_recipes: dict[str, list[dict]]
     feeds: list[dict[str, np.ndarray]]
     refs: list[dict[str, np.ndarray]]
     budget: str
@@ -365,6 +364,14 @@ def _bench(models: Mapping[str, bytes], feeds, provider: str, rounds: int, runti
 # ----------------------------------------------------------------------------------- running trials
 
 
+def _ray_module():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs Ray, which is not installed", hint="pip install 'graphopt[ray]'") from None
+    return ray
+
+
 class _Runner:
     """Submits trials: in this process, to spawned worker processes, or to a Ray cluster."""
 
@@ -374,10 +381,7 @@ class _Runner:
         self._pool = None
         self._inc_cache: tuple[str, Any] | None = None
         if ray_address:
-            try:
-                import ray
-            except ImportError:
-                raise UsageError("--ray needs Ray", hint="pip install 'graphopt[ray]'") from None
+            ray = _ray_module()
             if not ray.is_initialized():
                 ray.init(address=None if ray_address == "local" else ray_address, include_dashboard=False,
                          log_to_driver=False)
@@ -478,6 +482,8 @@ def search(
                          hint="choose from " + ", ".join(FAMILIES))
     if workers < 0:
         raise UsageError(f"--workers must be >= 0 (0: trials in this process), got {workers}")
+    if ray_address:
+        _ray_module()
     budget = budget if isinstance(budget, Budget) else parse_budget(budget)
     notes: list[str] = []
     if not budget:
@@ -515,18 +521,17 @@ def search(
             calib_part, held = feeds_mod.split_feeds(all_feeds)
             k = len(calib_part) if held is not calib_part else 0
             outs = list(run_model(res.model, all_feeds))
-            base_trial.calib = compare(outs[: len(calib_part)], refs[: len(calib_part)], calib_part).summary()
+            c_cal = compare(outs[: len(calib_part)], refs[: len(calib_part)], calib_part)
             c_held = compare(outs[k:], refs[k:], held)
-            base_trial.held = c_held.summary()
-            base_trial.meets_budget = base_trial.meets_calib = not budget.failures(c_held)
+            base_trial.calib, base_trial.held = c_cal.summary(), c_held.summary()
+            base_trial.meets_calib = not budget.failures(c_cal)
+            base_trial.meets_budget = base_trial.meets_calib and not budget.failures(c_held)
             base_trial.seconds = round(time.perf_counter() - t0, 2)
 
     cands, plan_notes = plan(families, provider, classifier)
     notes += plan_notes
     emit("planned", {"total": len(cands), "bases": list(bases)})
-    shared = _Shared(session=f"{os.getpid()}-{int(time.time() * 1000)}", bases=bases,
-                     base_recipes={k: [dataclasses.asdict(s) for s in r.steps] for k, r in base_recipes.items()},
-                     feeds=all_feeds, refs=refs, budget=str(budget), provider=provider, rounds=rounds)
+    shared = _Shared(session=f"{os.getpid()}-{int(time.time() * 1000)}", bases=bases, feeds=all_feeds, refs=refs, budget=str(budget), provider=provider, rounds=rounds)
     runner = _Runner(shared, workers, ray_address)
     trials: dict[str, Trial] = {}
     best: Trial | None = None

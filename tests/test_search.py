@@ -204,6 +204,10 @@ def test_parse_duration_and_usage_errors(run_cli, mlp, monkeypatch):
     assert code == 2 and "--search" in err
     code, _, err = run_cli("optimize", path, "-o", path.parent / "o.onnx", "--search", "--passes", "cleanup")
     assert code == 2
+    monkeypatch.setitem(sys.modules, "ray", None)  # not installed: one line, before any work
+    with pytest.raises(UsageError, match="--ray needs Ray") as e:
+        search.search(path, calib=calib, ray_address="auto")
+    assert "graphopt[ray]" in e.value.hint
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = run_cli("optimize", path, "-o", path.parent / "o.onnx", "--calib", calib, "--search")
     assert code == 2 and "graphopt[plot]" in err
