@@ -232,3 +232,18 @@ def test_write_without_a_chosen_model_writes_nothing(tmp_path):
     with pytest.raises(VerificationError):
         search.write(res, tmp_path / "out.onnx", report=tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["chosen"] is None  # asked for: the report only
+
+
+def test_table_keeps_brackets_in_notes_and_reasons():
+    from rich.console import Console
+
+    from graphopt.cli.search import render
+
+    t = search.Trial("x", "default", [], status="declined", reason="shape [batch, classes] expected")
+    res = search.SearchResult(input="m.onnx", budget="cosine>=0.99", provider="cpu", trials=[t], chosen=None,
+                              recipe=None, pareto=[], metric="cosine", seconds=1.0, time_limit=60, workers="1 process",
+                              notes=["early-exit: not class logits [batch, classes]"])
+    console = Console(record=True, width=200)
+    render(res, console)
+    text = console.export_text()
+    assert "shape [batch, classes] expected" in text and "not class logits [batch, classes]" in text

@@ -44,7 +44,7 @@ def run(model: Path, out: Path, *, calib: Path | None, budget: list[str] | None,
         elif kind == "trial":
             t, best = info["trial"], info["best"]
             progress.advance(task)
-            progress.console.print(f"  {t.name}: {_describe(t)}", highlight=False)
+            progress.console.print(f"  {t.name}: {_describe(t)}", highlight=False, markup=False)
             if best is not None:
                 progress.update(task, description=f"best: {best.name} {best.speedup:.2f}x")
         elif kind == "duel":
@@ -73,11 +73,15 @@ def _describe(t) -> str:
         return f"{t.status}: {t.reason}"
     q = ", ".join(f"{k} {v:.5f}" for k, v in t.held.items() if k in ("cosine", "cosine_min", "top1"))
     verdict = "meets the budget" if t.meets_budget else f"misses: {t.reason}"
+    if t.same_as:
+        verdict += f" (the same model as {t.same_as})"
     return f"{t.speedup:.2f}x, held-back {q}; {verdict} [{t.seconds:.0f} s, {t.worker}]"
 
 
 def render(result, console) -> None:
     """The candidates table (Pareto members marked)."""
+    from rich.markup import escape
+
     from graphopt.cli.console import table
 
     t = table(f"graphopt --search under {result.budget} ({result.workers}, {result.seconds:.0f} s)",
@@ -89,7 +93,7 @@ def render(result, console) -> None:
                   f"{tr.speedup:.2f}" if tr.speedup is not None else "-",
                   f"{tr.duel_speedup:.2f}" if tr.duel_speedup is not None else "",
                   f"{tr.held[result.metric]:.5f}" if result.metric in tr.held else "-",
-                  "meets" if tr.meets_budget else (tr.reason or "-")[:70], "yes" if tr.name in result.pareto else "")
+                  "meets" if tr.meets_budget else escape((tr.reason or "-")[:70]), "yes" if tr.name in result.pareto else "")
     console.print(t)
     for n in result.notes:
-        console.print(f"[dim]{n}[/]", highlight=False)
+        console.print(f"[dim]{escape(n)}[/]", highlight=False)
