@@ -31,6 +31,8 @@ Examples:
   graphopt optimize model.onnx -o out.onnx --recipe my_recipe.toml --verify structure
 
   graphopt optimize vad.onnx -o out.onnx --input-shape input:1,512 --input-value sr=16000
+
+  graphopt optimize model.onnx -o fast.onnx --calib feeds/ --budget 'cosine>=0.99' --search --time-limit 10m
 """
 
 
@@ -55,6 +57,11 @@ def command(
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Force initializers into (or out of) a .data file; default: when the input had external data, or above 2 GB.")] = None,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory the run may use (e.g. 12G); default: what the system reports available. Graphopt streams the weights when needed and stops with an error, before loading, when its estimate exceeds this.")] = None,
+    search: Annotated[bool, typer.Option("--search", help="Search the lossy passes' settings for the fastest model within --budget; writes OUT, OUT's .search.toml (its recipe), .search.json and .pareto.png.")] = False,
+    time_limit: Annotated[str, typer.Option("--time-limit", help="--search: time to spend, e.g. 10m, 90s.")] = "10m",
+    workers: Annotated[int, typer.Option("--workers", help="--search: trials in parallel worker processes (0: in this process).")] = 1,
+    ray: Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="--search: run the trials on this Ray cluster ('auto', 'local', host:port; needs the ray extra of graphopt).")] = None,
+    search_passes: Annotated[str | None, typer.Option("--search-passes", help="--search: the lossy passes to explore (default: all).")] = None,
     json_: Json = False,
     quiet: Quiet = False,
 ) -> None:
@@ -76,6 +83,17 @@ def command(
     out = output if output is not None else model
     if passes and recipe:
         raise UsageError("--passes and --recipe are exclusive", hint="use one of them")
+    if search:
+        from graphopt.cli import search as search_cmd
+
+        if passes or recipe or set_:
+            raise UsageError("--search chooses the passes itself", hint="drop --passes/--recipe/--set, or --search")
+        search_cmd.run(model, out, calib=calib, budget=budget, provider=provider, time_limit=time_limit,
+                       workers=workers, ray=ray, families=search_passes, report=report, json_=json_, quiet=quiet,
+                       in_place=in_place)
+        return
+    if ray or search_passes or workers != 1:
+        raise UsageError("--workers, --ray and --search-passes go with --search", hint="add --search")
     parsed_budget = parse_budget(budget)
     shapes, values = feed_overrides(input_shape, input_value, calib)
     io.check_output_path(model, out, in_place=in_place)
