@@ -232,7 +232,7 @@ class QuantizePass(GraphoptPass):
         act_names = [t.act.name for t in targets if t.act is not None]
         static = any(m == "static" for m, _ in modes)
         need_stats = static or any_sq or (self.mode == "int4" and self.int4_method == "gptq") or \
-            (self.mixed and sensitivity == "local" and self.mode != "int4")
+            (self.mixed and sensitivity == "local")
         gptq = self.mode == "int4" and self.int4_method == "gptq"
         int4_q: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -563,8 +563,9 @@ class _Run:
         """Rank layers by their own relative output error on the sampled calibration rows (no sessions).
 
         Each layer's error: the layer quantized as planned (its smoothing included) on its float inputs,
-        ``|x W - q(x) q(W)|^2 / |x W|^2``; an embedding table's, ``|T - q(T)|^2 / |T|^2``. None when a
-        layer has no sampled rows (then the ``model`` ranking runs).
+        ``|x W - q(x) q(W)|^2 / |x W|^2`` (int4: ``|x W - x q4(W)|^2 / |x W|^2``, weight-only); an
+        embedding table's, ``|T - q(T)|^2 / |T|^2``. None when a layer has no sampled rows (then the
+        ``model`` ranking runs).
         """
         stats = self.stats
         targets = {t.key: t for t in self.targets}
@@ -577,8 +578,17 @@ class _Run:
                 err[k] = float(np.sum((q * scale - w) ** 2) / max(float(np.sum(w * w)), 1e-12))
                 continue
             st = stats.get(t.act.name) if t is not None and t.act is not None else None
-            if st is None or st.rows is None or cfg.mode not in ("dynamic", "static"):
+            if st is None or st.rows is None or cfg.mode not in ("dynamic", "static", "int4"):
                 return None
+            if cfg.mode == "int4":
+                from graphopt.rewrites._quant_int4 import dequant_int4, rtn_int4
+
+                w = t.weight_array
+                q, scales = cfg.int4_q if cfg.int4_q is not None else rtn_int4(w, cfg.block_size)
+                ref = st.rows @ w
+                got = st.rows @ dequant_int4(q, scales, cfg.block_size, w.shape[0])
+                err[k] = float(np.sum((got - ref) ** 2) / max(float(np.sum(ref * ref)), 1e-12))
+                continue
             s = cfg.smooth
             act = cfg.act_range if cfg.mode == "static" else None
             err[k] = smooth_mod.local_error(st.rows, t.weight_array, s, act, cfg.act_type)
