@@ -35,6 +35,14 @@ feeds; the result is then confirmed on the held-back feeds (more layers kept flo
 Both numbers go to the notes. When no quantized model meets the budget the model is left unchanged
 (``modified=False``) and the notes say so.
 
+Large models (weights in external data or over 256 MB, ``graphopt.io.streams``): calibration runs
+layer by layer (``_quant_calib``: segments of about 1/16 of the weights, one segment's session and
+activations at a time; GPTQ runs for each activation as soon as its XᵀX is complete, and XᵀX is
+dropped), the float model's outputs are kept spilled to disk and its session freed before the search,
+each candidate's session is built after the previous one is gone, and weights are read one at a
+time (copied out of their memory map, large ones quantized in column blocks). Peak memory stays
+near the size of the weights (docs/benchmarks.md, issue 14).
+
 Refuses (keeps float): see ``_quant_qdq``; graphs without constant-weight MatMul/Attention are left
 unchanged.
 """
