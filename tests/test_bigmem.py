@@ -133,11 +133,12 @@ def decoder_33m(tmp_path_factory) -> Path:
 def test_peak_memory_of_optimize_is_bounded(tmp_path, tiny_decoder, decoder_33m):
     """``optimize`` on a 33 M-parameter decoder (134 MB of weights) takes, beyond what the same run
     on a 0.1 M-parameter decoder of the same structure takes (interpreter, libraries, arenas), at
-    most 2.5x the weights with numeric verification and 1.3x with ``--verify structure`` (before
-    the weights were streamed: 8-11x)."""
+    most 1.6x the weights with numeric verification (measured 1.23x; 2.1x while the reference
+    session stayed alive beside each candidate's; the goal is 2.5x) and 1.3x with ``--verify
+    structure`` (measured 1.04x; before the weights were streamed: 8-11x)."""
     path = decoder_33m
     extra = memory.weight_bytes(path) - memory.weight_bytes(tiny_decoder)
-    for level, bound in (("numeric", 2.5), ("structure", 1.3)):
+    for level, bound in (("numeric", 1.6), ("structure", 1.3)):
         peaks = [_peak("optimize", str(p), "-o", str(tmp_path / f"{level}-{i}.onnx"), "--verify", level, "--quiet")
                  for i, p in enumerate((tiny_decoder, path))]
         assert (peaks[1] - peaks[0]) / extra <= bound, (level, peaks, extra)
@@ -147,7 +148,7 @@ def test_peak_memory_of_optimize_is_bounded(tmp_path, tiny_decoder, decoder_33m)
 def test_peak_memory_of_calibrated_quantization_is_bounded(tmp_path, tiny_decoder, decoder_33m):
     """The ``int8`` recipe (static: calibration layer by layer, a session per candidate, one at a time)
     on the 33 M-parameter decoder takes at most 2.5x the weights beyond the tiny decoder's run, with
-    numeric verification (measured 1.2x; before: 5x). The options keep it short: one calibrator,
+    numeric verification (measured 1.23x; before: 5x). The options keep it short: one calibrator,
     no SmoothQuant search."""
     extra = memory.weight_bytes(decoder_33m) - memory.weight_bytes(tiny_decoder)
     opts = ["--recipe", "int8", "--set", "quantize.mode=static", "--set", "quantize.smoothquant=false",
