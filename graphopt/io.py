@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from graphopt.errors import MissingFileError, ModelLoadError, ModelSaveError, first_line
+from graphopt.interrupt import uninterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            os.replace(tmp, p)
+            with uninterrupted():
+                os.replace(tmp, p)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -273,9 +275,10 @@ def save(
             ir.save(model, tmp_model, external_data=data_name, size_threshold_bytes=EXTERNAL_THRESHOLD)
         else:
             _save_inline(model, tmp_model)
-        if external_data:
-            os.replace(tmpdir / data_name, dst.parent / data_name)
-        os.replace(tmp_model, dst)
+        with uninterrupted():
+            if external_data:
+                os.replace(tmpdir / data_name, dst.parent / data_name)
+            os.replace(tmp_model, dst)
     except OSError as e:
         raise ModelSaveError(f"{dst}: cannot write: {e.strerror or e}") from None
     finally:

@@ -2,7 +2,7 @@
 and fail with one line instead of being killed by the kernel.
 
 The estimate is a multiple of the model's weight bytes (the model file plus its external data
-files), measured on random-weight Llama-style decoders of 0.1-1 B parameters (``models/big_decoder.py``,
+files), measured on random-weight Llama-style decoders of 0.1-2 B parameters (``models/big_decoder.py``,
 ``docs/benchmarks.md``): with the weights streamed (``graphopt.io.materialize`` hands the checker
 and ONNX Runtime a model file beside its data, never an in-memory copy) the peak is about
 ``STREAMING_FACTOR[level]`` times the weights; through in-memory serialized copies (the path small
@@ -14,6 +14,9 @@ The limit is ``--max-memory`` or, by default, the memory the system reports avai
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import logging
 import os
 import re
@@ -26,8 +29,10 @@ from graphopt.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-#: peak / weight bytes with the weights streamed, by verification level (measured, rounded up)
-STREAMING_FACTOR = {"numeric": 2.5, "structure": 1.3, "off": 1.3}
+#: peak / weight bytes with the weights streamed, by verification level (measured, rounded up):
+#: numeric: default recipe 1.02-1.16x from 0.4 B parameters on (one session at a time), the int8
+#: recipe 1.05-1.24x from 0.4 B on, int4 (GPTQ) 1.92x at 0.1 B counting the interpreter
+STREAMING_FACTOR = {"numeric": 2.0, "structure": 1.3, "off": 1.3}
 #: peak / weight bytes through in-memory serialized copies (measured 8.5-11x before streaming)
 IN_MEMORY_FACTOR = 11.0
 BASE_BYTES = 400 * 2**20
@@ -79,7 +84,7 @@ def weight_bytes(path: str | os.PathLike) -> int:
 
 def estimate(weights: int, level: str, *, streaming: bool) -> int:
     """Estimated peak bytes of ``optimize`` at verification ``level``."""
-    factor = STREAMING_FACTOR.get(level, 2.5) if streaming else IN_MEMORY_FACTOR
+    factor = STREAMING_FACTOR.get(level, STREAMING_FACTOR['numeric']) if streaming else IN_MEMORY_FACTOR
     return int(weights * factor) + BASE_BYTES
 
 
@@ -110,6 +115,27 @@ def plan(path: str | os.PathLike, level: str, max_memory: int | None = None) -> 
             hint=f"free memory or raise --max-memory{lower}",
         )
     return stream_anyway
+
+
+def trim() -> None:
+    """Free what is unreachable now and hand the memory the C heap has freed back to the system.
+
+    Models dropped by a caller (``onnx_ir`` graphs are reference cycles) are collected at once, not at
+    the next collection; glibc's ``malloc_trim`` (nothing elsewhere) returns the freed heap: freed
+    ONNX Runtime sessions and numpy temporaries otherwise stay resident, and the next session comes
+    on top of them."""
+    gc.collect()
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _gb(n: int) -> str:

@@ -24,14 +24,13 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt import feeds as feeds_mod
-from graphopt import io, provenance, registry, session_hints, standins
+from graphopt import io, memory, provenance, registry, session_hints, standins
 from graphopt import recipe as recipe_mod
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.metrics import Budget, parse_budget
 from graphopt.report import PassRecord, Report, count_nodes, op_delta, op_histogram
 from graphopt.runtime import PROVIDERS, make_session
-from graphopt.runtime import run as run_session
-from graphopt.verify import check_level, check_structure, run_model, verify
+from graphopt.verify import check_level, check_structure, run_model, run_session, verify
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +150,13 @@ def optimize(
                         reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
                     else:
                         sess = make_session(data if data is not None else proto, provider="cpu", optimize=False)
-                        all_feeds, reference = feeds_mod.runnable(
-                            model, run=lambda fs: run_session(sess, fs), shapes=shapes, values=values)
+                        try:
+                            all_feeds, reference = feeds_mod.runnable(
+                                model, run=lambda fs: run_session(sess, fs), shapes=shapes, values=values)
+                        finally:
+                            # the reference outputs are kept (spilled past a memory budget), the session
+                            # is not: the candidates' sessions are built one after the other without it
+                            del sess
                 except feeds_mod.NoRunnableFeeds as e:
                     logger.warning("numerics unverified: %s; verifying structure only", e.reason)
                     report.numerics = f"unverified: {e.reason}"
@@ -164,6 +168,7 @@ def optimize(
                         f"cannot verify numerically: {e.message}",
                         hint=f"the input model does not run in ONNX Runtime{given}; use --verify structure or off",
                     ) from None
+    memory.trim()  # the reference session is gone: give its memory back before the passes run
     if all_feeds is None:
         all_feeds = []
     calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
@@ -219,6 +224,7 @@ def optimize(
                                  budget=step_budget, provider="cpu", where=f"after pass {p.name!r}")
                 if verdict.ok and verdict.outputs is not None and held_from:
                     verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
+            memory.trim()
             rec.verification = {"level": verify_level, "seconds": round(time.perf_counter() - tv, 3),
                                 **verdict.numbers()}
             if verdict.stand_ins:  # CUDA-only ops ran as standard-op stand-ins on CPU

@@ -123,6 +123,16 @@ def run_model(
     return _run_streaming(_session(model, provider, optimize), feeds)
 
 
+def run_session(sess, feeds: Sequence[Mapping[str, np.ndarray]], *, comparer: Comparer | None = None,
+                reference: Sequence[Mapping[str, np.ndarray]] | None = None, keep: bool = True) -> OutputStore:
+    """Outputs of an ORT session on each feed, kept in an OutputStore (spilled past its memory budget).
+
+    With ``comparer``, each feed's outputs are folded into it against ``reference[i]`` as they come;
+    ``keep=False`` then keeps none of them (the store comes back empty).
+    """
+    return _run_streaming(sess, feeds, comparer, reference, keep=keep)
+
+
 def _session(model, provider: str, optimize: bool = False):
     if isinstance(model, ir.Model):
         try:
@@ -133,7 +143,7 @@ def _session(model, provider: str, optimize: bool = False):
 
 
 def _run_streaming(sess, feeds, comparer: Comparer | None = None,
-                   reference: Sequence[Mapping[str, np.ndarray]] | None = None) -> OutputStore:
+                   reference: Sequence[Mapping[str, np.ndarray]] | None = None, *, keep: bool = True) -> OutputStore:
     """Run ``sess`` feed by feed into an OutputStore, folding each feed into ``comparer`` on the way."""
     import onnxruntime as ort
 
@@ -150,7 +160,8 @@ def _run_streaming(sess, feeds, comparer: Comparer | None = None,
             raise RuntimeSetupError(f"ONNX Runtime failed running the model: {first_line(e)}") from e
         if comparer is not None:
             comparer.add(out, reference[i], feed)
-        outs.append(out)
+        if keep:
+            outs.append(out)
         del out
     return outs
 

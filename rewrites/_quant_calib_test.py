@@ -93,3 +93,45 @@ def test_percentile_and_entropy_clip_a_rare_outlier():
 def test_unknown_calibrator():
     with pytest.raises(ValueError, match="unknown calibrator 'median'"):
         calib.act_range(_stats_of(np.array([-1.0, 1.0])), "median")
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """A 2-layer generated decoder (models/big_decoder.py) with external data, its MatMul inputs, feeds."""
+    from conftest import load_models_module
+
+    big = load_models_module("big_decoder")
+    path = big.build(big.Size(hidden=64, intermediate=128, layers=2, heads=4, vocab=500),
+                     tmp_path_factory.mktemp("dec") / "dec.onnx")
+    from graphopt import io
+
+    model = io.load(path)
+    acts = [n.inputs[0].name for n in model.graph if n.op_type == "MatMul" and n.inputs[1].is_initializer()]
+    rng = np.random.default_rng(3)
+    feeds = [{"input_ids": rng.integers(0, 500, (2, 5 + i))} for i in range(3)]
+    return model, acts, feeds
+
+
+def _same_stats(a: calib.Stats, b: calib.Stats, rows: bool) -> None:
+    assert (a.lo, a.hi, a.n_rows, a.edge) == (b.lo, b.hi, b.n_rows, b.edge)
+    for f in ("chan_min", "chan_max", "xtx", "hist") + (("rows",) if rows else ()):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+
+
+def test_layerwise_collection_gives_the_whole_models_statistics(decoder):
+    """Segment by segment (one segment's weights in memory at a time) the statistics are those of the
+    whole model: exactly, sampled rows included, wherever the cuts fall."""
+    model, acts, feeds = decoder
+    kw = dict(histograms=True, xtx_for=acts, sample_rows=16)
+    cuts = calib.segments(model, 1)
+    assert len(cuts) > len(acts) // 2  # about one cut per weight
+    whole = calib.collect(model, feeds, acts, **kw)
+    one = calib.collect(model, feeds, acts, segment_bytes=1 << 40, **kw)  # layer-wise, a single segment
+    done = []
+    fine = calib.collect(model, feeds, acts, segment_bytes=1, on_done=lambda n, s: done.append(n), **kw)
+    assert list(whole) == list(one) == list(fine) == list(dict.fromkeys(acts))
+    assert done == list(fine)  # each activation reported once, as its segment finishes, in graph order
+    for n in acts:
+        _same_stats(one[n], fine[n], rows=True)
+        _same_stats(whole[n], fine[n], rows=False)  # rows: sampled from another random stream
+        assert fine[n].rows.shape == whole[n].rows.shape

@@ -18,6 +18,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+#: weights with more elements go through GPTQ a block of output columns at a time (the same numbers)
+BLOCK_ELEMENTS = 1 << 22
+
 
 def _pad_k(w: np.ndarray, block: int) -> np.ndarray:
     k = w.shape[0]
@@ -62,16 +65,20 @@ def gptq_int4(w: np.ndarray, xtx: np.ndarray, block: int, damp: float = 0.01) ->
     except np.linalg.LinAlgError:
         logger.info("GPTQ: Hessian not positive definite; falling back to RTN")
         return rtn_int4(w, block)
-    wk = w.astype(np.float64).copy()
-    wk[dead, :] = 0.0
     q = np.zeros((k, n), np.uint8)
-    for i in range(k):
-        s = scales[i // block].astype(np.float64)
-        qi = np.clip(np.rint(wk[i] / s), -8, 7)
-        q[i] = (qi + 8).astype(np.uint8)
-        err = (wk[i] - qi * s) / hinv[i, i]
-        if i + 1 < k:
-            wk[i + 1:] -= np.outer(hinv[i, i + 1:], err)
+    # output columns are independent: a block of them at a time bounds the float64 working copies
+    step = n if w.size <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // k)
+    for c in range(0, n, step):
+        cols = slice(c, c + step)
+        wk = w[:, cols].astype(np.float64)
+        wk[dead, :] = 0.0
+        for i in range(k):
+            s = scales[i // block, cols].astype(np.float64)
+            qi = np.clip(np.rint(wk[i] / s), -8, 7)
+            q[i, cols] = (qi + 8).astype(np.uint8)
+            err = (wk[i] - qi * s) / hinv[i, i]
+            if i + 1 < k:
+                wk[i + 1:] -= np.outer(hinv[i, i + 1:], err)
     qp = _pad_k(q, block)
     if qp.shape[0] > k:
         qp[k:] = 8

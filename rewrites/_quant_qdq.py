@@ -55,7 +55,15 @@ class Target:
 
     @property
     def weight_array(self) -> np.ndarray:
-        return self.weight.const_value.numpy()
+        """The float weight. One in external data is copied out and its file unmapped again: pages
+        of a mapping count in the resident memory once read, so a pass reading every weight would
+        otherwise end up holding the whole model."""
+        tensor = self.weight.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            arr = np.array(tensor.numpy())
+            release(tensor)
+            return arr
+        return tensor.numpy()
 
     @property
     def macs_per_row(self) -> int:
@@ -164,8 +172,18 @@ def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
 # ------------------------------------------------------------------ numeric helpers
 
 
+#: weights with more elements are quantized in blocks of columns (the same numbers, bounded temporaries)
+BLOCK_ELEMENTS = 1 << 22
+
+
 def quantize_weight(w: np.ndarray, axis: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel symmetric int8 along ``axis`` (the output columns of a [K, N] weight)."""
+    if w.ndim == 2 and axis == 1 and w.size > BLOCK_ELEMENTS:
+        step = max(1, BLOCK_ELEMENTS // w.shape[0])
+        q, scale = np.empty(w.shape, np.int8), np.empty(w.shape[1], np.float32)
+        for c in range(0, w.shape[1], step):
+            q[:, c:c + step], scale[c:c + step] = quantize_weight(w[:, c:c + step], axis)
+        return q, scale
     red = tuple(i for i in range(w.ndim) if i != axis)
     amax = np.max(np.abs(w), axis=red)
     scale = np.maximum(amax / 127.0, 1e-12).astype(np.float32)
@@ -272,6 +290,16 @@ def _quantize_activation(b: _Builder, t: Target, cfg: QConfig, anchor: ir.Node) 
         n = b.node(anchor, "QuantizeLinear", [x, sv, zv], name=f"{x.name}_q")
         b.shared_q[key] = (n.outputs[0], sv, zv)
     return b.shared_q[key]
+
+
+def release(tensor) -> None:
+    """Unmap a tensor read from external data (mapped again if read again): pages of a mapping count
+    in the resident memory once touched."""
+    if isinstance(tensor, ir.ExternalTensor):
+        try:
+            tensor.release()
+        except BufferError:  # an array still views the mapping: leave it mapped
+            pass
 
 
 def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -> dict[str, int]:

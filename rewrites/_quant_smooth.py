@@ -34,7 +34,7 @@ import onnx_ir as ir
 from graphopt.contrib import attention_inputs
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites._quant_calib import Stats
-from graphopt.rewrites._quant_qdq import Target, fake_quant_act, quantize_weight
+from graphopt.rewrites._quant_qdq import BLOCK_ELEMENTS, Target, fake_quant_act, quantize_weight
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85)
 
@@ -48,17 +48,53 @@ def smooth_factors(stats: Stats, weights: list[np.ndarray], alpha: float) -> np.
 
 
 def local_error(x: np.ndarray, w: np.ndarray, s: np.ndarray | None, act: tuple[float, float] | None,
-                act_type: str = "u8") -> float:
-    """Relative output error of one int8 layer on sampled rows ``x`` (dynamic range when ``act`` is None)."""
-    ref = x @ w
-    if s is not None:
-        x, w = x / s, w * s.reshape(-1, 1)
-        if act is not None:
-            act = (float(x.min()), float(x.max()))
-    q, ws = quantize_weight(w)
+                act_type: str = "u8", *, cache: dict | None = None) -> float:
+    """Relative output error of one int8 layer on sampled rows ``x`` (dynamic range when ``act`` is None).
+
+    ``cache``: a dict kept by the caller across calls on the same ``x`` and ``w`` without smoothing
+    (only the activation range changes): the float output and the quantized weight are made once.
+    """
+    if w.size > BLOCK_ELEMENTS:
+        return _local_error_blocks(x, w, s, act, act_type)
+    if s is None and cache:
+        ref, wdq = cache["ref"], cache["wdq"]
+    else:
+        ref = x @ w
+        if s is not None:
+            x, w = x / s, w * s.reshape(-1, 1)
+            if act is not None:
+                act = (float(x.min()), float(x.max()))
+        q, ws = quantize_weight(w)
+        wdq = q.astype(np.float32) * ws
+        if s is None and cache is not None:
+            cache.update(ref=ref, wdq=wdq)
     xq = fake_quant_act(x, *(act or (None, None)), act_type)
-    got = xq @ (q.astype(np.float32) * ws)
+    got = xq @ wdq
     return float(np.sum((got - ref) ** 2) / max(np.sum(ref**2), 1e-12))
+
+
+def _local_error_blocks(x: np.ndarray, w: np.ndarray, s: np.ndarray | None, act: tuple[float, float] | None,
+                       act_type: str) -> float:
+    """``local_error`` of a large weight, a block of columns at a time (temporaries of one block)."""
+    if s is not None:
+        xs = x / s
+        if act is not None:
+            act = (float(xs.min()), float(xs.max()))
+    else:
+        xs = x
+    xq = fake_quant_act(xs, *(act or (None, None)), act_type)
+    num = den = 0.0
+    step = max(1, BLOCK_ELEMENTS // w.shape[0])
+    for c in range(0, w.shape[1], step):
+        wc = w[:, c:c + step]
+        ref = x @ wc
+        if s is not None:
+            wc = wc * s.reshape(-1, 1)
+        q, ws = quantize_weight(wc)
+        got = xq @ (q.astype(np.float32) * ws)
+        num += float(np.sum((got - ref) ** 2, dtype=np.float64))
+        den += float(np.sum(ref.astype(np.float64) ** 2))
+    return num / max(den, 1e-12)
 
 
 def choose(stats: Stats, group: list[Target], alpha: str | float, static: bool) -> tuple[np.ndarray, float]:

@@ -24,14 +24,24 @@ mode fused Attention weights go to int8 ``QAttention`` (no 4-bit attention kerne
 budget search takes out of 4 bits fall back to int8 (``DynamicQuantizeMatMul``), not float.
 
 Budget: ``ctx.budget``, or cosine>=0.99 & cosine_min>=0.97 when the user gave none. With
-``mixed=true`` each layer's sensitivity is measured (``sensitivity=model``, the default: the budget
+``mixed=true`` each layer's sensitivity is measured (``sensitivity=model``: the budget
 metric with only that layer quantized, one session per layer; ``sensitivity=local``: the layer's own
 relative output error on sampled calibration rows, no extra sessions, but a worse ranking: on MiniLM
-dynamic it kept 4 layers float where ``model`` keeps 1, for 20% less search time), and the most
+dynamic it kept 4 layers float where ``model`` keeps 1, for 20% less search time; ``auto``, the default:
+``model``, but ``local`` for models whose weights are streamed from disk (external data or over 256 MB),
+where a session per layer would make the search time grow with the square of the size), and the most
 sensitive layers are kept float until the budget holds on the calibration
 feeds; the result is then confirmed on the held-back feeds (more layers kept float if it fails there).
 Both numbers go to the notes. When no quantized model meets the budget the model is left unchanged
 (``modified=False``) and the notes say so.
+
+Large models (weights in external data or over 256 MB, ``graphopt.io.streams``): calibration runs
+layer by layer (``_quant_calib``: segments of about 1/16 of the weights, one segment's session and
+activations at a time; GPTQ runs for each activation as soon as its XᵀX is complete, and XᵀX is
+dropped), the float model's outputs are kept spilled to disk and its session freed before the search,
+each candidate's session is built after the previous one is gone, and weights are read one at a
+time (copied out of their memory map, large ones quantized in column blocks). Peak memory stays
+near the size of the weights (docs/benchmarks.md, issue 14).
 
 Refuses (keeps float): see ``_quant_qdq``; graphs without constant-weight MatMul/Attention are left
 unchanged.
@@ -49,16 +59,17 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import runtime, standins
+from graphopt import io, memory, runtime, standins
 from graphopt.errors import UsageError
 from graphopt.feeds import calibration_feeds, split_feeds
-from graphopt.metrics import Budget, Comparison, compare, parse_budget
+from graphopt.metrics import Budget, Comparer, Comparison, parse_budget
 from graphopt.opsets import MS_DOMAIN
 from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.rewrites import _quant_calib as calib_mod
 from graphopt.rewrites import _quant_qdq as qdq
 from graphopt.rewrites import _quant_smooth as smooth_mod
 from graphopt.rewrites._quant_qdq import QConfig, Target
+from graphopt.verify import run_session
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +119,7 @@ class QuantizePass(GraphoptPass):
         accuracy_level: int = 4,
         int4_method: str = "gptq",
         sensitivity_feeds: int = 2,
-        sensitivity: str = "model",
+        sensitivity: str = "auto",
     ):
         super().__init__()
         if mode not in MODES:
@@ -126,8 +137,8 @@ class QuantizePass(GraphoptPass):
                 float(alpha)
             except ValueError:
                 raise UsageError(f"quantize.alpha must be a number or 'auto', got {alpha!r}") from None
-        if sensitivity not in ("local", "model"):
-            raise UsageError(f"quantize.sensitivity must be local or model, got {sensitivity!r}")
+        if sensitivity not in ("auto", "local", "model"):
+            raise UsageError(f"quantize.sensitivity must be auto, local or model, got {sensitivity!r}")
         if block_size < 16 or block_size & (block_size - 1):
             raise UsageError(f"quantize.block_size must be a power of two >= 16, got {block_size}")
         self.mode, self.calibrator, self.percentile = mode, calibrator, float(percentile)
@@ -212,28 +223,55 @@ class QuantizePass(GraphoptPass):
         any_sq = any(sq for _, sq in modes)
 
         # a --provider cuda model may hold CUDA-only ops (remove-padding's PackedMultiHeadAttention):
-        # calibration and the budget search run on CPU through their exact standard-op stand-ins
+        # calibration and the budget search run on CPU through their exact standard-op stand-ins.
+        # The float outputs are kept (spilled to disk past a memory budget), the session is not: at most
+        # one session (calibration, then each candidate) holds weights at a time
         sess = runtime.make_session(standins.cpu_runnable(model)[0], threads=1)
-        ref_calib = runtime.run(sess, calib)
-        ref_held = runtime.run(sess, held)
+        ref_calib = run_session(sess, calib)
+        ref_held = run_session(sess, held)
+        del sess
+        memory.trim()
+        sensitivity = self.sensitivity
+        if sensitivity == "auto":
+            # a model-sensitivity ranking makes one session of the whole model per layer: its cost grows
+            # with the square of the size; models streamed from disk rank by local error instead
+            sensitivity = "local" if io.streams(model) else "model"
 
         act_names = [t.act.name for t in targets if t.act is not None]
         static = any(m == "static" for m, _ in modes)
         need_stats = static or any_sq or (self.mode == "int4" and self.int4_method == "gptq") or \
-            (self.mixed and self.sensitivity == "local" and self.mode != "int4")
+            (self.mixed and sensitivity == "local")
+        gptq = self.mode == "int4" and self.int4_method == "gptq"
+        int4_q: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+        def reduce(name: str, st: calib_mod.Stats) -> None:
+            """GPTQ of the layers reading ``name`` as soon as its XᵀX is complete; XᵀX is then dropped."""
+            if st.xtx is None:
+                return
+            from graphopt.rewrites._quant_int4 import gptq_int4
+
+            readers = [t for t in targets if t.kind == "matmul" and t.act is not None and t.act.name == name]
+            for t in readers:
+                int4_q[t.key] = gptq_int4(t.weight_array, st.xtx, self.block_size)
+            st.xtx = None
+
         stats: dict[str, calib_mod.Stats] = {}
         if need_stats:
+            # models streamed from disk calibrate layer by layer: one segment's weights in memory at a time
+            segment = max(1, io.tensor_bytes(model) // calib_mod.SEGMENTS) if io.streams(model) else None
             stats = calib_mod.collect(
                 model, calib, act_names,
                 histograms=static and self.calibrator != "minmax",
-                xtx_for=act_names if self.mode == "int4" and self.int4_method == "gptq" else (),
+                xtx_for=act_names if gptq else (),
+                segment_bytes=segment,
+                on_done=reduce if gptq else None,
             )
 
-        run = _Run(self, model, targets, budget, calib, held, ref_calib, ref_held, stats, notes)
+        run = _Run(self, model, targets, budget, calib, held, ref_calib, ref_held, stats, notes, sensitivity)
         outcomes = []
         ranking: list[str] | None = None
         for mode, sq in modes:
-            plan, factors, info = self._base_plan(mode, sq, targets, stats, act_type, fmt)
+            plan, factors, info = self._base_plan(mode, sq, targets, stats, act_type, fmt, int4_q)
             for k in keep:
                 plan.pop(k, None)
             label = mode + ("+smoothquant" if sq else "")
@@ -260,7 +298,8 @@ class QuantizePass(GraphoptPass):
         note(self._integer_ops_note(model))
         return PassResult(model, True, notes=notes, rule_counts=rule_counts)
 
-    def _base_plan(self, mode: str, sq: bool, targets: list[Target], stats, act_type: str, fmt: str):
+    def _base_plan(self, mode: str, sq: bool, targets: list[Target], stats, act_type: str, fmt: str,
+                   int4_q: Mapping[str, tuple[np.ndarray, np.ndarray]]):
         plan: dict[str, QConfig] = {}
         factors: dict[str, np.ndarray] = {}
         info: list[str] = []
@@ -289,10 +328,8 @@ class QuantizePass(GraphoptPass):
                     plan[t.key] = QConfig("dynamic")
                     continue
                 cfg = QConfig("int4", block_size=self.block_size, accuracy_level=self.accuracy_level)
-                if self.int4_method == "gptq" and t.act.name in stats and stats[t.act.name].xtx is not None:
-                    from graphopt.rewrites._quant_int4 import gptq_int4
-
-                    cfg.int4_q = gptq_int4(t.weight_array, stats[t.act.name].xtx, self.block_size)
+                if self.int4_method == "gptq" and t.key in int4_q:  # computed during calibration
+                    cfg.int4_q = int4_q[t.key]
                 plan[t.key] = cfg
                 continue
             cfg = QConfig(mode, act_type=act_type, fmt=fmt)
@@ -318,11 +355,13 @@ class QuantizePass(GraphoptPass):
             return (min(lo, 0.0), max(hi, 0.0)), "minmax(smoothed)"
         cands = [self.calibrator] if self.calibrator != "auto" else ["minmax", "percentile", "entropy"]
         best = None
+        cache: dict = {}  # the weight is quantized once for all the candidates
+        w = t.weight_array if len(cands) > 1 and st.rows is not None else None
         for c in cands:
             r = calib_mod.act_range(st, c, self.percentile)
             if len(cands) == 1 or st.rows is None:
                 return r, c
-            err = smooth_mod.local_error(st.rows, t.weight_array, None, r, act_type)
+            err = smooth_mod.local_error(st.rows, w, None, r, act_type, cache=cache)
             if best is None or err < best[0]:
                 best = (err, r, c)
         return best[1], best[2]
@@ -349,15 +388,19 @@ class QuantizePass(GraphoptPass):
             import onnx
             import onnxruntime as ort
 
-            from graphopt import io
-
-            with tempfile.TemporaryDirectory(prefix="graphopt-q-") as d:
+            with tempfile.TemporaryDirectory(prefix="graphopt-q-") as d, \
+                    io.materialize(standins.cpu_runnable(model)[0]) as src:
                 path = os.path.join(d, "opt.onnx")
                 so = runtime.session_options(threads=1)
                 so.optimized_model_filepath = path
-                ort.InferenceSession(io.to_proto(standins.cpu_runnable(model)[0]).SerializeToString(), so,
+                # the optimized graph's weights go to a file of their own (a model over 2 GB cannot be
+                # one protobuf); only the graph is read back
+                so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.data")
+                so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                            "1024")
+                ort.InferenceSession(src if isinstance(src, str) else src.SerializeToString(), so,
                                      providers=["CPUExecutionProvider"])
-                ops = Counter(n.op_type for n in onnx.load(path).graph.node)
+                ops = Counter(n.op_type for n in onnx.load(path, load_external_data=False).graph.node)
         except Exception as e:  # noqa: BLE001 - informative only
             return f"could not inspect the ORT-optimized graph: {e}"
         integer = {k: v for k, v in ops.items() if any(k.startswith(p) for p in INTEGER_OPS)}
@@ -384,6 +427,7 @@ class _Run:
     ref_held: list = dataclasses.field(default_factory=list)
     stats: dict[str, calib_mod.Stats] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    ranking_by: str = "model"  # "model" | "local": the sensitivity option with "auto" resolved
 
     def __post_init__(self) -> None:
         self.macs = {t.key: t.macs_per_row for t in self.targets}
@@ -397,7 +441,13 @@ class _Run:
         """Quality of ``plan`` applied to a copy of the model, on ``feeds`` against ``ref``."""
         cand, _ = self.opts.build(self.model.clone(), plan, factors)
         sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
-        return compare(runtime.run(sess, feeds), ref, feeds)
+        del cand
+        memory.trim()  # the session holds the weights it needs; the candidate's arrays go
+        comparer = Comparer()
+        run_session(sess, feeds, comparer=comparer, reference=ref, keep=False)
+        del sess
+        memory.trim()
+        return comparer.result()
 
     def search(self, mode: str, plan: dict[str, QConfig], factors: dict[str, np.ndarray],
                ranking: list[str] | None) -> tuple[_Outcome, list[str] | None]:
@@ -505,7 +555,7 @@ class _Run:
 
     def sensitivity(self, keys: list[str], plan: dict[str, QConfig], factors: dict[str, np.ndarray]) -> list[str]:
         """Layer keys, most sensitive first."""
-        if self.opts.sensitivity == "local":
+        if self.ranking_by == "local":
             ranking = self.local_sensitivity(keys, plan)
             if ranking is not None:
                 return ranking
@@ -521,17 +571,32 @@ class _Run:
         """Rank layers by their own relative output error on the sampled calibration rows (no sessions).
 
         Each layer's error: the layer quantized as planned (its smoothing included) on its float inputs,
-        ``|x W - q(x) q(W)|^2 / |x W|^2``. None when a layer has no sampled rows (then the ``model``
-        ranking runs).
+        ``|x W - q(x) q(W)|^2 / |x W|^2`` (int4: ``|x W - x q4(W)|^2 / |x W|^2``, weight-only); an
+        embedding table's, ``|T - q(T)|^2 / |T|^2``. None when a layer has no sampled rows (then the
+        ``model`` ranking runs).
         """
         stats = self.stats
         targets = {t.key: t for t in self.targets}
         err = {}
         for k in keys:
             t, cfg = targets.get(k), plan[k]
+            if t is not None and cfg.mode == "gather":
+                w = t.weight_array
+                q, scale = qdq.quantize_weight(w, axis=1)
+                err[k] = float(np.sum((q * scale - w) ** 2) / max(float(np.sum(w * w)), 1e-12))
+                continue
             st = stats.get(t.act.name) if t is not None and t.act is not None else None
-            if st is None or st.rows is None or cfg.mode not in ("dynamic", "static"):
+            if st is None or st.rows is None or cfg.mode not in ("dynamic", "static", "int4"):
                 return None
+            if cfg.mode == "int4":
+                from graphopt.rewrites._quant_int4 import dequant_int4, rtn_int4
+
+                w = t.weight_array
+                q, scales = cfg.int4_q if cfg.int4_q is not None else rtn_int4(w, cfg.block_size)
+                ref = st.rows @ w
+                got = st.rows @ dequant_int4(q, scales, cfg.block_size, w.shape[0])
+                err[k] = float(np.sum((got - ref) ** 2) / max(float(np.sum(ref * ref)), 1e-12))
+                continue
             s = cfg.smooth
             act = cfg.act_range if cfg.mode == "static" else None
             err[k] = smooth_mod.local_error(st.rows, t.weight_array, s, act, cfg.act_type)

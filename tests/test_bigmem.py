@@ -4,9 +4,12 @@ peak memory of ``optimize`` on a generated decoder (models/big_decoder.py)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ import onnx_ir as ir
 import pytest
 
 from conftest import load_models_module
-from graphopt import io, memory, pipeline
+from graphopt import interrupt, io, memory, pipeline
 from graphopt.errors import UsageError
 from graphopt.verify import run_model
 
@@ -120,15 +123,75 @@ def _peak(*args: str) -> int:
     return res["peak"]
 
 
+@pytest.fixture(scope="module")
+def decoder_33m(tmp_path_factory) -> Path:
+    return big.build(big.Size(hidden=512, intermediate=1376, layers=8, heads=8, vocab=8000),
+                     tmp_path_factory.mktemp("dec33m") / "dec.onnx")
+
+
 @pytest.mark.slow
-def test_peak_memory_of_optimize_is_bounded(tmp_path, tiny_decoder):
+def test_peak_memory_of_optimize_is_bounded(tmp_path, tiny_decoder, decoder_33m):
     """``optimize`` on a 33 M-parameter decoder (134 MB of weights) takes, beyond what the same run
     on a 0.1 M-parameter decoder of the same structure takes (interpreter, libraries, arenas), at
-    most 2.5x the weights with numeric verification and 1.3x with ``--verify structure`` (before
-    the weights were streamed: 8-11x)."""
-    path = big.build(big.Size(hidden=512, intermediate=1376, layers=8, heads=8, vocab=8000), tmp_path / "dec.onnx")
+    most 1.6x the weights with numeric verification (measured 1.23x; 2.1x while the reference
+    session stayed alive beside each candidate's; the goal is 2.5x) and 1.3x with ``--verify
+    structure`` (measured 1.04x; before the weights were streamed: 8-11x)."""
+    path = decoder_33m
     extra = memory.weight_bytes(path) - memory.weight_bytes(tiny_decoder)
-    for level, bound in (("numeric", 2.5), ("structure", 1.3)):
+    for level, bound in (("numeric", 1.6), ("structure", 1.3)):
         peaks = [_peak("optimize", str(p), "-o", str(tmp_path / f"{level}-{i}.onnx"), "--verify", level, "--quiet")
                  for i, p in enumerate((tiny_decoder, path))]
         assert (peaks[1] - peaks[0]) / extra <= bound, (level, peaks, extra)
+
+
+@pytest.mark.slow
+def test_peak_memory_of_calibrated_quantization_is_bounded(tmp_path, tiny_decoder, decoder_33m):
+    """The ``int8`` recipe (static: calibration layer by layer, a session per candidate, one at a time)
+    on the 33 M-parameter decoder takes at most 2.5x the weights beyond the tiny decoder's run, with
+    numeric verification (measured 1.23x; before: 5x). The options keep it short: one calibrator,
+    no SmoothQuant search."""
+    extra = memory.weight_bytes(decoder_33m) - memory.weight_bytes(tiny_decoder)
+    opts = ["--recipe", "int8", "--set", "quantize.mode=static", "--set", "quantize.smoothquant=false",
+            "--set", "quantize.calibrator=minmax", "--quiet"]
+    peaks = [_peak("optimize", str(p), "-o", str(tmp_path / f"q{i}.onnx"), *opts)
+             for i, p in enumerate((tiny_decoder, decoder_33m))]
+    assert (peaks[1] - peaks[0]) / extra <= 2.5, (peaks, extra)
+    q = io.load(tmp_path / "q1.onnx")
+    assert sum(n.op_type == "MatMulIntegerToFloat" for n in q.graph) == 8 * 7 + 1  # every projection and lm_head
+
+
+def test_sigterm_unwinds_and_removes_temporary_files(tmp_path):
+    """A SIGTERM while ``graphopt optimize`` verifies (a ``.graphopt-*`` model file beside the weights)
+    ends the run with exit 143, leaving no temporary file beside the input or output, none in the
+    temp folder, and no output."""
+    path = big.build(big.Size(hidden=128, intermediate=344, layers=4, heads=4, vocab=2000), tmp_path / "dec.onnx")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "out.onnx"
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from graphopt.cli.main import main; sys.exit(main())",
+                             "optimize", str(path), "-o", str(out), "--quiet"],
+                            env={**os.environ, "TMPDIR": str(tmp)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(p.name.startswith(".graphopt-") for p in tmp_path.iterdir()):
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.002)
+    rc = proc.wait(timeout=120)
+    assert rc == 128 + signal.SIGTERM, (rc, proc.stderr.read()[-2000:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["tmp"])
+    assert list(tmp.iterdir()) == []
+
+
+def test_a_signal_waits_for_an_output_to_be_put_in_place():
+    """Inside ``uninterrupted`` (the renames of ``io.save``) a SIGTERM is held until the block ends."""
+    done = []
+    with pytest.raises(SystemExit) as e, interrupt.unwind_on_signals():
+        with interrupt.uninterrupted():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler has run by now (held, not raised)
+            done.append("renamed")
+        done.append("not reached")
+    assert e.value.code == 143 and done == ["renamed"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -16,6 +16,7 @@ import typer
 
 from graphopt.cli import bench, deploy, diff, export, feeds, inspect_cmd, optimize, passes, serve, verify
 from graphopt.errors import EXIT_ERROR, GraphoptError
+from graphopt.interrupt import unwind_on_signals
 
 app = typer.Typer(
     name="graphopt",
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        with _help_width():
+        # SIGTERM unwinds like Ctrl-C: temporary files are removed, no output is half-written
+        with _help_width(), unwind_on_signals():
             rv = app(args=argv, prog_name="graphopt", standalone_mode=False)
         # with standalone_mode=False click returns the code of a raised Exit
         code = rv if isinstance(rv, int) else 0
