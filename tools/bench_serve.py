@@ -179,17 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-delay-ms", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=None, help="ORT intra-op threads of the server")
     ap.add_argument("--min-cosine", type=float, default=0.99, help="sentence-embedding cosine vs fp32")
-    ap.add_argument("--only", default=None, help="comma-separated variant names to run")
+    ap.add_argument("--only", action="append", default=[],
+                    help="a variant to run, by name (repeatable; the names hold commas, e.g. 'optimized, batching')")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from graphopt import runtime
 
-    rows = _sentences(args.sentences, seed=1)
-    ref = runtime.make_session(args.plain, spinning=False)
-    refs = [_pool(ref.run(None, _feed(ids))[0]) for ids in rows]
-    del ref
     variants = [
         ("optimized, batching", args.model, args.max_batch),
         ("optimized, batching off", args.model, 1),
@@ -197,8 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         ("plain export, batching off", args.plain, 1),
     ]
     if args.only:
-        wanted = set(args.only.split(","))
-        variants = [v for v in variants if v[0] in wanted]
+        unknown = set(args.only) - {v[0] for v in variants}
+        if unknown:
+            ap.error(f"unknown variant {sorted(unknown)[0]!r}; variants: {', '.join(repr(v[0]) for v in variants)}")
+        variants = [v for v in variants if v[0] in args.only]
+    rows = _sentences(args.sentences, seed=1)
+    ref = runtime.make_session(args.plain, spinning=False)
+    refs = [_pool(ref.run(None, _feed(ids))[0]) for ids in rows]
+    del ref
     # All servers run at once (idle ones cost nothing: ORT spinning is off) and the variants take turns,
     # --rounds phases each, so a slow phase of a shared machine hits every variant alike.
     servers = {}
