@@ -47,16 +47,9 @@ sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from workload import token_batches  # noqa: E402
+
 GEMM_OPS = ("MatMulIntegerToFloat", "MatMulInteger", "DynamicQuantizeMatMul")
-
-
-def workload_batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
-    """Tokenized padded batches of ``batch`` sentences (MiniLM's inputs, int64)."""
-    out = []
-    for i in range(0, len(sentences), batch):
-        e = tok(sentences[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="np")
-        out.append({k: e[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")})
-    return out
 
 
 def profile(path: str, feeds: list[dict[str, np.ndarray]], runs: int = 2) -> dict:
@@ -200,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     sentences = workload.generate(args.n, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     sentences = [sentences[i] for i in rng.permutation(len(sentences))]  # random arrival order
-    calib, held = workload_batches(tok, sentences[: args.calib]), workload_batches(tok, sentences[args.calib:])
+    calib, held = token_batches(tok, sentences[: args.calib]), token_batches(tok, sentences[args.calib:])
     fp32 = minilm.build("dynamo", "sdpa")
     paths: dict[str, str] = {}
     if args.build:

@@ -40,14 +40,7 @@ sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-
-def _batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
-    out = []
-    for i in range(0, len(sentences), batch):
-        e = tok(sentences[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="np")
-        out.append({k: e[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")})
-    return out
+from workload import token_batches  # noqa: E402
 
 
 def _pool(h: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -118,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     sentences = workload.generate(args.n, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     sentences = [sentences[i] for i in rng.permutation(len(sentences))]  # random arrival order
-    calib = _batches(tok, sentences[: args.calib])
-    held = _batches(tok, sentences[args.calib:])
+    calib = token_batches(tok, sentences[: args.calib])
+    held = token_batches(tok, sentences[args.calib:])
     # as `graphopt optimize --calib DIR` does: the pass calibrates on the first half of the calibration
     # batches and confirms its budget on the second; the held-back batches are used by nothing but the table
     k = max(1, len(calib) // 2)

@@ -37,13 +37,7 @@ sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def _batches(tok, sentences: list[str], batch: int = 32) -> list[dict[str, np.ndarray]]:
-    out = []
-    for i in range(0, len(sentences), batch):
-        e = tok(sentences[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="np")
-        out.append({k: e[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")})
-    return out
+from workload import token_batches  # noqa: E402
 
 
 def _pooled(outs, feeds) -> np.ndarray:
@@ -95,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     sentences = [sentences[i] for i in rng.permutation(len(sentences))]
     calib_dir = out / "calib"
     if not calib_dir.exists():
-        feeds_mod.save_dir(_batches(tok, sentences[: args.calib]), calib_dir)
-    unseen = _batches(tok, sentences[args.calib:])
+        feeds_mod.save_dir(token_batches(tok, sentences[: args.calib]), calib_dir)
+    unseen = token_batches(tok, sentences[args.calib:])
 
     t0 = time.perf_counter()
     paths = {"lossless (default recipe)": out / "default.onnx", "int8 recipe": out / "int8.onnx"}

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import minilm
     import transformers
     import workload
-    from bench_int8_efficiency import workload_batches
+    from workload import token_batches
 
     from graphopt import io, runtime
     from graphopt.bench import bench_sessions
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     sentences = workload.generate(args.n, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     sentences = [sentences[i] for i in rng.permutation(len(sentences))]
-    calib, held = workload_batches(tok, sentences[: args.calib]), workload_batches(tok, sentences[args.calib:])
+    calib, held = token_batches(tok, sentences[: args.calib]), token_batches(tok, sentences[args.calib:])
     fp32 = minilm.build("dynamo", "sdpa")
     models = {}
     default = out / "default.onnx"

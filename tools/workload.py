@@ -125,6 +125,18 @@ def token_lengths(sentences: list[str]) -> tuple[list[int], bool]:
         return [2 + round(len(s.split()) * TOKENS_PER_WORD) for s in sentences], False
 
 
+def token_batches(tok, sentences: list[str], batch: int = 32) -> list[dict]:
+    """MiniLM's int64 inputs for ``sentences`` in order, ``batch`` at a time, each batch padded to its longest
+    (``tok``: a Hugging Face tokenizer; at most 128 tokens)."""
+    import numpy as np
+
+    out = []
+    for i in range(0, len(sentences), batch):
+        e = tok(sentences[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="np")
+        out.append({k: e[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")})
+    return out
+
+
 def padding_fraction(lengths: list[int], batch: int = 32, seed: int = 0) -> float:
     """Padding share when ``lengths`` are batched in random order, each batch padded to its longest."""
     order = list(range(len(lengths)))
