@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from testmodels import tiny_bert_feeds
 
 from graphopt import io, runtime
 from graphopt.metrics import compare, parse_budget
@@ -262,19 +263,6 @@ def test_cuda_qdq_s8():
     assert q and all(n.inputs[2].dtype == ir.DataType.INT8 for n in q)
 
 
-def _tiny_bert_feeds(path) -> list[dict[str, np.ndarray]]:
-    """6 right-padded batches of 4 x 16 for the seeded tiny BERT at ``path`` (its own input names)."""
-    rng = np.random.default_rng(0)
-    feeds = []
-    for _ in range(6):
-        lens = rng.integers(3, 17, size=4)
-        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
-        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
-                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
-    names = {v.name for v in ir.load(path).graph.inputs}
-    return [{k: v for k, v in f.items() if k in names} for f in feeds]
-
-
 def test_after_fuse_on_tiny_bert(tmp_path):
     """cleanup,fuse,quantize through the pipeline on the seeded tiny BERT (dynamo): the fused Attention
     (2-D mask, equal ``qkv_hidden_sizes``) becomes QAttention, every MatMul an integer op (int4: the
@@ -285,7 +273,7 @@ def test_after_fuse_on_tiny_bert(tmp_path):
     from graphopt import pipeline
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    feeds = _tiny_bert_feeds(path)
+    feeds = tiny_bert_feeds(path)
     for mode, want in (("static", "MatMulIntegerToFloat"), ("dynamic", "DynamicQuantizeMatMul"), ("int4", "MatMulNBits")):
         result = pipeline.optimize(str(path), passes="cleanup,fuse,quantize", feeds=feeds,
                                    overrides=[f"quantize.mode={mode}", "quantize.mixed=false"],
@@ -331,7 +319,7 @@ def test_int8_recipe_quantizes_the_packed_model(tmp_path):
 
     assert "int8" in recipe.builtin_names()
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    feeds = _tiny_bert_feeds(path)
+    feeds = tiny_bert_feeds(path)
     result = pipeline.optimize(str(path), recipe.load("int8"), feeds=feeds,
                                overrides=["quantize.mode=static", "quantize.mixed=false"],
                                budget="cosine>=0.99")

@@ -10,9 +10,8 @@ import sys
 import tomllib
 
 import numpy as np
-import onnx_ir as ir
 import pytest
-from testmodels import make_mlp
+from testmodels import make_mlp, tiny_bert_feeds
 
 from graphopt import feeds as feeds_mod
 from graphopt import io, search
@@ -40,16 +39,7 @@ def tiny_bert(tmp_path_factory):
     from conftest import load_models_module
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    rng = np.random.default_rng(0)
-    feeds = []
-    for _ in range(6):
-        lens = rng.integers(3, 17, size=4)
-        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
-        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
-                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
-    names = {v.name for v in ir.load(path).graph.inputs}
-    calib = feeds_mod.save_dir([{k: v for k, v in f.items() if k in names} for f in feeds],
-                               tmp_path_factory.mktemp("tiny-calib"))
+    calib = feeds_mod.save_dir(tiny_bert_feeds(path), tmp_path_factory.mktemp("tiny-calib"))
     return path, calib
 
 

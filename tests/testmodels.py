@@ -93,3 +93,19 @@ def embed_layernorm_prologue(w, *, vocab: int, max_pos: int, hidden: int) -> lis
                           w("g0", hidden), w("b0", hidden), "mask32"], ["x0", "mask_index"],
                          domain="com.microsoft", epsilon=1e-5),
     ]
+
+
+def tiny_bert_feeds(path) -> list[dict[str, np.ndarray]]:
+    """6 right-padded batches of 4 x 16 for the seeded tiny BERT at ``path`` (models/tiny.py; its own input
+    names)."""
+    import onnx_ir as ir
+
+    rng = np.random.default_rng(0)
+    feeds = []
+    for _ in range(6):
+        lens = rng.integers(3, 17, size=4)
+        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
+        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
+                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
+    names = {v.name for v in ir.load(path).graph.inputs}
+    return [{k: v for k, v in f.items() if k in names} for f in feeds]
