@@ -127,20 +127,29 @@ def test_smooth_scales_the_weight_rows():
     _close({"z": got["z"]}, {"z": 2 * want["z"]}, 0.03)
 
 
-def _matmul_biasgelu() -> ir.Model:
-    """x -> MatMul(w) -> com.microsoft BiasGelu(b) -> y."""
+def _matmul_then(node, name: str, *, seed: int, residual: bool = False) -> ir.Model:
+    """x -> MatMul(w) -> ``node`` (reading h and the bias b; with ``residual``, also a graph input r) -> y."""
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8])]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 5, 16]))
     g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-         helper.make_node("BiasGelu", ["h", "b"], ["y"], domain=MS_DOMAIN, name="bg")],
-        "mm-biasgelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8])],
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), node], name, inputs,
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 16])],
         [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w"),
          numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
     return ir.serde.deserialize_model(m)
+
+
+def _matmul_biasgelu() -> ir.Model:
+    """x -> MatMul(w) -> com.microsoft BiasGelu(b) -> y."""
+    from onnx import helper
+
+    return _matmul_then(helper.make_node("BiasGelu", ["h", "b"], ["y"], domain=MS_DOMAIN, name="bg"),
+                        "mm-biasgelu", seed=5)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -199,19 +208,10 @@ def test_gathered_rows_are_dequantized_by_cast_and_mul():
 
 def _matmul_sum() -> ir.Model:
     """x -> MatMul(w) -> Sum(·, r, b) -> y (the residual form of ``fuse`` on CPU)."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
-    rng = np.random.default_rng(8)
-    g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-         helper.make_node("Sum", ["h", "r", "b"], ["y"], name="res")],
-        "mm-sum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8]),
-                   helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 5, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 16])],
-        [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w"),
-         numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
-    return ir.serde.deserialize_model(m)
+    return _matmul_then(helper.make_node("Sum", ["h", "r", "b"], ["y"], name="res"), "mm-sum", seed=8,
+                        residual=True)
 
 
 @pytest.mark.parametrize("cfg", [

@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 import pytest
+from testmodels import tiny_bert_feeds
 
 from graphopt import runtime, standins
 from graphopt.errors import UsageError
@@ -14,7 +15,6 @@ from graphopt.metrics import compare, parse_budget
 from graphopt.registry import PassContext
 from graphopt.rewrites import _ffn
 from graphopt.rewrites.contextual_sparsity import ContextualSparsityPass, fit_predictor, recall, topk_rows
-from graphopt.rewrites.sparsify_test import _feeds
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def tiny():
     from conftest import load_models_module
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    return path, _feeds(path)
+    return path, tiny_bert_feeds(path)
 
 
 def _run(model, feeds):

@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 import pytest
+from testmodels import tiny_bert_feeds
 
 from graphopt import custom_ops, runtime, standins
 from graphopt.errors import UsageError
@@ -17,25 +18,13 @@ from graphopt.rewrites import _ffn
 from graphopt.rewrites.sparsify import SparsifyPass, lstsq_columns, nm_mask, sparsegpt
 
 
-def _feeds(path, n: int = 6, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    feeds = []
-    for _ in range(n):
-        lens = rng.integers(3, 17, size=4)
-        mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
-        feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
-                      "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
-    names = {v.name for v in ir.load(path).graph.inputs}
-    return [{k: v for k, v in f.items() if k in names} for f in feeds]
-
-
 @pytest.fixture(scope="module")
 def tiny():
     pytest.importorskip("torch", reason="torch is needed to export the tiny models")
     from conftest import load_models_module
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    return path, _feeds(path)
+    return path, tiny_bert_feeds(path)
 
 
 def _ops(model: ir.Model) -> Counter:
@@ -252,7 +241,7 @@ def test_minilm_budget_holds_on_held_back_data(minilm):
     from graphopt import pipeline
 
     path = minilm("dynamo", "eager")
-    feeds = _feeds(path, n=4, seed=1)
+    feeds = tiny_bert_feeds(path, n=4, seed=1)
     result = pipeline.optimize(str(path), passes="cleanup,fuse,sparsify", feeds=feeds, budget="cosine>=0.99",
                                keep_going=True, overrides=["sparsify.pattern=neurons"])
     rec = result.report.passes[-1]
@@ -374,7 +363,7 @@ def test_minilm_torchscript_erf_gelu(minilm):
     model = ir.load(path)
     ffns = _ffn.find(model)
     assert len(ffns) == 6 and all(len(f.act_nodes) == 5 and f.w1.shape == (384, 1536) for f in ffns)
-    feeds = _feeds(path, n=4, seed=2)
+    feeds = tiny_bert_feeds(path, n=4, seed=2)
     ctx = PassContext(calib_feeds=feeds[:2], feeds=feeds[2:])
     ref = _run(model, feeds[2:])
     res = SparsifyPass(pattern="neurons", sparsity=0.25, compensate=False)(ir.load(path), ctx)

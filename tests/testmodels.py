@@ -95,14 +95,14 @@ def embed_layernorm_prologue(w, *, vocab: int, max_pos: int, hidden: int) -> lis
     ]
 
 
-def tiny_bert_feeds(path) -> list[dict[str, np.ndarray]]:
-    """6 right-padded batches of 4 x 16 for the seeded tiny BERT at ``path`` (models/tiny.py; its own input
+def tiny_bert_feeds(path, n: int = 6, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """``n`` right-padded batches of 4 x 16 for the seeded tiny BERT at ``path`` (models/tiny.py; its own input
     names)."""
     import onnx_ir as ir
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     feeds = []
-    for _ in range(6):
+    for _ in range(n):
         lens = rng.integers(3, 17, size=4)
         mask = (np.arange(16)[None, :] < lens[:, None]).astype(np.int64)
         feeds.append({"input_ids": (rng.integers(1, 1000, size=(4, 16)) * mask).astype(np.int64),
