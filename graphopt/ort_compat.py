@@ -29,6 +29,7 @@ with the op named in ``unknown``: a floor we know holds, never a guess.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import onnx_ir as ir
 
@@ -78,12 +79,14 @@ ORT_ONNX_DOMAIN_OPS: dict[str, dict[str, str]] = {
 }
 
 
-def _key(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+def version_key(version: str) -> tuple[int, ...]:
+    """``"1.23.0"`` -> ``(1, 23, 0)`` (a local or dev suffix is ignored), for comparing versions."""
+    parts = (re.match(r"\d+", p) for p in version.split(".")[:3])
+    return tuple(int(m.group()) for m in parts if m)
 
 
 def _max(versions) -> str:
-    return max(versions, key=_key)
+    return max(versions, key=version_key)
 
 
 @dataclasses.dataclass
@@ -152,6 +155,6 @@ def requirements(model: ir.Model) -> Requirements:
     if not needs:
         needs["opset"] = OPSET_SINCE[7]
     top = _max(needs.values())
-    decided = sorted(k for k, v in needs.items() if _key(v) == _key(top))
+    decided = sorted(k for k, v in needs.items() if version_key(v) == version_key(top))
     return Requirements(min_version=top, providers=sorted(providers), decided_by=decided,
                         contrib_ops=sorted(set(contrib)), opset=opset, unknown=unknown)

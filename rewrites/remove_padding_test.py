@@ -268,6 +268,28 @@ def test_attention_op_is_checked():
         registry.create("remove-padding", {"attention_op": "flash"})
 
 
+def test_attention_op_auto_follows_the_onnx_runtime_version():
+    from rewrites.remove_padding import resolve_attention_op
+
+    assert [resolve_attention_op("auto", v) for v in ("1.20.1", "1.22.2", "1.23.0", "1.32.0", "1.23.0+cu130")] == [
+        "mha", "mha", "onnx", "onnx", "onnx"]
+    assert resolve_attention_op("mha", "1.32.0") == "mha" and resolve_attention_op("onnx", "1.20.0") == "onnx"
+
+
+def test_attention_op_auto_runs_onnx_attention_on_this_onnx_runtime():
+    """``auto`` on the installed ORT (>= 1.23 in the test set-up) emits ONNX Attention for the groups, exactly."""
+    import onnxruntime
+
+    from graphopt.ort_compat import version_key
+
+    assert version_key(onnxruntime.__version__) >= (1, 23), "the test set-up installs ORT >= 1.23"
+    got, _, cmp, model = _check_exact(lambda: _encoder(mha="kpm"), [FEEDS["right"], FEEDS["holes"]],
+                                      attention_groups=3, attention_op="auto")
+    assert cmp.worst("max_abs") <= 1e-5, cmp.summary()
+    ops = collections.Counter((n.domain, n.op_type) for n in model.graph)
+    assert ops[("", "Attention")] == 3 and ops[("com.microsoft", "MultiHeadAttention")] == 0
+
+
 @pytest.mark.parametrize("mask_layout", ["eln", "raw"])
 def test_fused_embed_and_attention(mask_layout):
     """EmbedLayerNormalization runs as packed Gathers + LayerNorm; Attention becomes grouped MHA.

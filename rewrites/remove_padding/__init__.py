@@ -76,6 +76,7 @@ import logging
 
 import onnx_ir as ir
 
+from graphopt import ort_compat
 from graphopt.errors import UsageError, first_line
 from graphopt.metrics import MASK_NAMES
 from graphopt.opsets import MS_DOMAIN, default_opset
@@ -103,8 +104,10 @@ class RemovePadding(GraphoptPass):
         if attention_op not in ATTENTION_OPS:
             raise UsageError(f"remove-padding.attention_op must be one of {', '.join(ATTENTION_OPS)}, "
                              f"got {attention_op!r}")
-        #: the op of CPU length groups: ``mha`` (com.microsoft MultiHeadAttention) or ``onnx`` (ONNX
-        #: Attention, opset 23: the model's opset is raised to 23; ~30% faster attention on ORT 1.32 CPU)
+        #: the op of CPU length groups: ``mha`` (com.microsoft MultiHeadAttention), ``onnx`` (ONNX
+        #: Attention, opset 23: the model's opset is raised to 23 and it needs ORT >= 1.23; faster and
+        #: better-scaling attention on ORT 1.32 CPU) or ``auto`` (``onnx`` where the installed ONNX Runtime
+        #: runs it, else ``mha``; what the ``int8`` recipe uses)
         self.attention_op = attention_op
         #: output ``[N, hidden]`` (real tokens, row-major) instead of ``[B, S, hidden]`` with zero padding
         self.packed_output = packed_output
@@ -133,7 +136,7 @@ class RemovePadding(GraphoptPass):
         notes = list(plan.notes)
         onnx_attention = rewrite(model, plan, packed_output=self.packed_output,
                                  sum_norm=not cuda and default_opset(model) >= 17,
-                                 onnx_attention=self.attention_op == "onnx")
+                                 onnx_attention=resolve_attention_op(self.attention_op) == "onnx")
         if onnx_attention:
             model.opset_imports[""] = max(default_opset(model), ONNX_ATTENTION_OPSET)
             notes.append(f"{onnx_attention} length groups run ONNX Attention: opset raised to "
@@ -164,8 +167,22 @@ class RemovePadding(GraphoptPass):
 
 
 #: ``attention_op`` values; ONNX's Attention op (with a CPU kernel in ORT >= 1.23) needs this opset
-ATTENTION_OPS = ("mha", "onnx")
+ATTENTION_OPS = ("mha", "onnx", "auto")
 ONNX_ATTENTION_OPSET = 23
+#: the first ONNX Runtime with a CPU kernel for ONNX Attention (opset 23)
+ONNX_ATTENTION_ORT = "1.23.0"
+
+
+def resolve_attention_op(attention_op: str, ort_version: str | None = None) -> str:
+    """``auto`` -> ``onnx`` when ONNX Runtime (the installed one, or ``ort_version``) has ONNX Attention's
+    CPU kernel, else ``mha``; ``mha`` / ``onnx`` unchanged."""
+    if attention_op != "auto":
+        return attention_op
+    if ort_version is None:
+        import onnxruntime
+
+        ort_version = onnxruntime.__version__
+    return "onnx" if ort_compat.version_key(ort_version) >= ort_compat.version_key(ONNX_ATTENTION_ORT) else "mha"
 
 
 def _refused(model: ir.Model, reason: str) -> PassResult:
