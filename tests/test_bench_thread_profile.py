@@ -87,7 +87,9 @@ def test_end_to_end_on_a_tiny_model(tool, tmp_path, capsys):
             assert e["round_ms"][n] > 0 and e["items_per_s"][n] > 0
             assert 0 < e["scaling"][n] <= int(n) + 1e-9
         assert all(0 <= o["p"] <= 1 for o in e["ops"].values())
+        assert len(e["per_round_scaling"]) == 2 and all(0 < sc["16"] <= 16 for sc in e["per_round_scaling"])
     assert doc["models"][0]["estimate"]["scaling_vs_baseline"]["16"] == 1.0
+    assert all(r["16"] == 1.0 for r in doc["models"][0]["estimate"]["per_round_scaling_vs_baseline"])
     assert "memory bandwidth" in doc["caveats"]
 
 
@@ -100,6 +102,15 @@ def _row(tool, name, t1, t2, busy2):
     return {"model": name, "calls": {"MatMul": 6, "Gather": 12}, "measured": measured,
             "measured_scaling": {n: measured[1]["model_run_ms"] / measured[n]["model_run_ms"] for n in (1, 2)},
             "estimate": tool.estimate(per_op, {1: 0.5, 2: 0.5}, [16])}
+
+
+def test_per_round_estimate_uses_that_round_alone(tool):
+    measured = {n: {"per_op_ms_rounds": {"MatMul": [8.0 / n, 8.0 / n ** 0.5]}, "overhead_ms_rounds": [0.0, 0.0]}
+                for n in (1, 2)}
+    assert tool.per_round_estimate(measured, 0, [16])["scaling"][16] == pytest.approx(16.0)
+    # round 1: t2 = t1 / sqrt(2): p = 2 * (1 - 2 ** -0.5)
+    p = 2 * (1 - 2 ** -0.5)
+    assert tool.per_round_estimate(measured, 1, [16])["scaling"][16] == pytest.approx(1 / ((1 - p) + p / 16))
 
 
 def test_report_divides_by_the_baseline_and_flags_sessions_without_their_cores(tool):

@@ -195,6 +195,16 @@ def run_profiled(models: Mapping[str, str], feeds: list[dict[str, np.ndarray]], 
         return dict(out)
 
 
+def per_round_estimate(measured: dict[int, dict], r: int, counts: Sequence[int]) -> dict:
+    """:func:`estimate` from round ``r`` alone (its thread counts ran in the same round of the round-robin,
+    so the spread over rounds shows how much the machine's phases move the estimate)."""
+    per_op: dict[str, dict[int, float]] = collections.defaultdict(dict)
+    for n, m in measured.items():
+        for op, v in m["per_op_ms_rounds"].items():
+            per_op[op][n] = v[r]
+    return estimate(per_op, {n: m["overhead_ms_rounds"][r] for n, m in measured.items()}, counts)
+
+
 def summarize(measured: dict[int, dict]) -> dict:
     """Medians over the rounds of one model's measurements at each thread count."""
     med = {}
@@ -221,7 +231,8 @@ def report(rows: list[dict], counts: list[int], est: list[int], items: int, min_
     m1 = counts[0]
     head = ["model", *[f"{n}t ms (measured)" for n in counts],
             *[f"{n}t scaling (÷ base)" for n in counts[1:]], f"cores busy ({'/'.join(f'{n}t' for n in counts)})",
-            *[f"{n}t ms (est.)" for n in est], *[f"{n}t scaling (÷ base, est.)" for n in est], f"{top}t items/s (est.)"]
+            *[f"{n}t ms (est.)" for n in est], *[f"{n}t scaling (÷ base, est.)" for n in est],
+            f"{top}t ÷ base, range over rounds", f"{top}t items/s (est.)"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = rows[0]
     for row in rows:
@@ -234,12 +245,15 @@ def report(rows: list[dict], counts: list[int], est: list[int], items: int, min_
         e = row["estimate"]
         cells += [f"{e['round_ms'][n]:.1f}" for n in est]
         cells += [_fmt_scaling(e["scaling"][n], base["estimate"]["scaling"][n]) for n in est]
+        per_round = [sc[top] / b[top] for sc, b in zip(e.get("per_round_scaling", []),
+                                                         base["estimate"].get("per_round_scaling", []))]
+        cells.append(f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "")
         cells.append(f"{items / e['round_ms'][top] * 1e3:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nMeasured: median model_run per round (ORT profile; scaling vs {m1} thread). Estimated: "
                  f"Amdahl per op type, overhead serial; scaling vs the fitted 1-thread time. (÷ base) = the "
-                 f"model's scaling over the baseline's ({base['model']}). Cores busy: the process's CPU time over "
-                 f"wall time while the session ran.")
+                 f"model's scaling over the baseline's ({base['model']}); its range over rounds: from each round "
+                 f"alone. Cores busy: the process's CPU time over wall time while the session ran.")
     starved = [f"{row['model']} at {n}t ({row['measured'][n]['cores_busy']:.2f})" for row in rows for n in counts
                if n > 1 and row["measured"][n]["cores_busy"] < 1.1]
     lines.append("(Cores busy below the thread count come from the model's serial ops and from other jobs on the "
@@ -332,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             for op, ms in med[n]["per_op_ms"].items():
                 per_op[op][n] = ms
         e = estimate(per_op, {n: med[n]["overhead_ms"] for n in counts}, est)
+        e["per_round_scaling"] = [per_round_estimate(measured[name], r, est)["scaling"] for r in range(args.rounds)]
         rows.append({"model": name, "path": path, "session_settings": model_settings(path),
                      "calls": measured[name][counts[0]]["calls"],
                      "rounds": {n: measured[name][n] for n in counts}, "measured": med,
@@ -342,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         e = row["estimate"]
         e["items_per_s"] = {n: items / ms * 1e3 for n, ms in e["round_ms"].items()}
         e["scaling_vs_baseline"] = {n: s / base[n] for n, s in e["scaling"].items()}
+        e["per_round_scaling_vs_baseline"] = [{n: s / b[n] for n, s in sc.items()} for sc, b in
+                                              zip(e["per_round_scaling"], rows[0]["estimate"]["per_round_scaling"])]
         row["measured_scaling_vs_baseline"] = {n: s / rows[0]["measured_scaling"][n]
                                                for n, s in row["measured_scaling"].items()}
     print(f"{feeds_mod.describe(feeds)} ({items} items per round); threads {','.join(map(str, counts))} "
