@@ -99,14 +99,14 @@ def command(
     make_console().print(t)
 
 
-def _thread_counts(text: str) -> list[int]:
-    """``"1,2,4"`` → ``[1, 2, 4]``: positive, distinct, in the given order."""
+def _thread_counts(text: str, flag: str = "--threads") -> list[int]:
+    """``"1,2,4"`` → ``[1, 2, 4]``: positive, distinct, in the given order (errors name ``flag``)."""
     from graphopt.errors import UsageError
 
     try:
         counts = [int(p) for p in text.split(",")]
     except ValueError:
-        raise UsageError(f"--threads: expected a count or a comma list of counts (1,2,4), got {text!r}") from None
+        raise UsageError(f"{flag}: expected a count or a comma list of counts (1,2,4), got {text!r}") from None
     if any(c < 1 for c in counts) or len(set(counts)) != len(counts):
-        raise UsageError(f"--threads: counts must be distinct and at least 1, got {text!r}")
+        raise UsageError(f"{flag}: counts must be distinct and at least 1, got {text!r}")
     return counts
