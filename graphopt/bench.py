@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -86,12 +86,14 @@ def bench_sessions(
     min_seconds: float = 0.0,
     clock: str = "wall",
     device: str | None = None,
+    schedule: Callable[[int], Sequence[str]] | None = None,
 ) -> list[BenchResult]:
     """Round-robin over sessions; each turn runs every feed once through one session.
 
-    The order of sessions rotates each round so none always runs first. ``clock='cpu'`` times the
-    calling thread's CPU time (with one intra-op thread ORT runs every kernel on it, so waiting for a
-    core held by other jobs is not counted); ``'wall'`` times wall time.
+    The order of sessions rotates each round so none always runs first (``schedule(r)``, when given,
+    is round ``r``'s order instead). ``clock='cpu'`` times the calling thread's CPU time (with one
+    intra-op thread ORT runs every kernel on it, so waiting for a core held by other jobs is not
+    counted); ``'wall'`` times wall time.
     """
     tick = time.thread_time if clock == "cpu" else time.perf_counter
     names = list(sessions)
@@ -108,7 +110,7 @@ def bench_sessions(
     t_begin = time.perf_counter()
     r = 0
     while r < rounds or (time.perf_counter() - t_begin) < min_seconds:
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = schedule(r) if schedule is not None else names[r % len(names):] + names[: r % len(names)]
         for n in order:
             t0 = tick()
             for go in prepared[n]:
@@ -166,6 +168,56 @@ def bench_thread_counts(
         out[threads] = bench_sessions(sessions, feeds, rounds=rounds, warmup=warmup,
                                       device="cuda" if cuda else None)
         del sessions
+    return out
+
+
+def bench_thread_pairs(
+    models: Mapping[str, object],
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    thread_counts: Sequence[int],
+    *,
+    rounds: int = 20,
+    warmup: int = 2,
+    hints: bool = True,
+) -> dict[int, list[BenchResult]]:
+    """Like :func:`bench_thread_counts` (CPU), but every thread count in one round-robin: each round runs
+    each model's sessions back to back, one per thread count (their order reversed every other round,
+    the models' order rotating), so a model's timings at different counts are seconds apart and share
+    the machine's phase. Compare them round by round with :func:`paired_scaling`."""
+    settings = {name: model_settings(m) if hints else {} for name, m in models.items()}
+    sessions = {
+        (name, n): runtime.make_session(m, threads=n, optimize=True, spinning=False,
+                                        **session_hints.session_kwargs(settings[name]))
+        for name, m in models.items() for n in thread_counts
+    }
+    keys = {f"{n}\t{name}": (name, n) for name, n in sessions}
+    names = list(models)
+
+    def schedule(r: int) -> list[str]:
+        counts = list(thread_counts) if r % 2 == 0 else list(reversed(thread_counts))
+        rotated = names[r % len(names):] + names[: r % len(names)]
+        return [f"{n}\t{name}" for name in rotated for n in counts]
+
+    flat = bench_sessions({k: sessions[v] for k, v in keys.items()}, feeds, rounds=rounds, warmup=warmup,
+                          schedule=schedule)
+    by_key = {keys[r.name]: r for r in flat}
+    return {n: [dataclasses.replace(by_key[name, n], name=name) for name in names] for n in thread_counts}
+
+
+def paired_scaling(results: Mapping[int, Sequence[BenchResult]], relative_to: str | None = None
+                   ) -> dict[int, dict[str, float]]:
+    """Each model's scaling, round by round (its round time at the first thread count over its round time
+    at each count; rounds paired by index, as :func:`bench_thread_pairs` makes them), the median over
+    rounds. With ``relative_to`` (a model's name), each round's scaling is first divided by that model's
+    in the same round: the model's scaling relative to a baseline's, with the machine's phases cancelled."""
+    counts = list(results)
+    first = {r.name: np.asarray(r.round_seconds) for r in results[counts[0]]}
+    out: dict[int, dict[str, float]] = {}
+    for n in counts:
+        per = {r.name: first[r.name] / np.asarray(r.round_seconds) for r in results[n]}
+        if relative_to is not None:
+            per = {k: v / per[relative_to] for k, v in per.items()}
+        out[n] = {k: float(np.median(v)) for k, v in per.items()}
     return out
 
 

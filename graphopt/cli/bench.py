@@ -22,6 +22,10 @@ def command(
         "per count, each count interleaved on its own.")] = "1",
     rounds: Annotated[int, typer.Option("--rounds", help="Timed rounds (each runs every feed once per model).")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed rounds first.")] = 2,
+    paired: Annotated[bool, typer.Option(
+        "--paired", help="With --threads: all thread counts in one round-robin, each model's sessions back to "
+        "back; scaling is the median over rounds of each round's ratio, and '÷ first' divides it by the first "
+        "model's in the same round (phases of a noisy machine cancel). CPU only.")] = False,
     provider: Provider = "cpu",
     json_: Json = False,
 ) -> None:
@@ -33,7 +37,9 @@ def command(
     missing.
 
     With --threads 1,2,4 every thread count gets its own sessions and its own interleaved round-robin;
-    the table adds each model's scaling (its throughput over its throughput at the first count).
+    the table adds each model's scaling (its throughput over its throughput at the first count). With
+    --paired every count runs in one round-robin instead, a model's counts back to back, and scaling is
+    taken round by round (the median of each round's ratio), also relative to the first model's.
 
     Each model's sessions use the ONNX Runtime settings recorded in its metadata by `graphopt optimize`
     (graph optimization level, execution mode, inter-op threads); --json lists them.
@@ -44,13 +50,22 @@ def command(
 
     from graphopt import feeds as feeds_mod
     from graphopt import io
-    from graphopt.bench import bench_thread_counts, model_settings, scaling
+    from graphopt.bench import (
+        bench_thread_counts,
+        bench_thread_pairs,
+        model_settings,
+        paired_scaling,
+        scaling,
+    )
     from graphopt.cli.console import make_console, table
     from graphopt.errors import UsageError
 
     if rounds < 1:
         raise UsageError("--rounds must be at least 1")
     counts = _thread_counts(threads)
+    if paired and (len(counts) < 2 or provider == "cuda"):
+        raise UsageError("--paired compares thread counts on CPU: give --threads with two or more counts "
+                         "and no --provider cuda")
     if provider == "cuda":
         from graphopt.runtime import require_cuda
 
@@ -70,17 +85,25 @@ def command(
         while key in names:
             key += "'"
         names[key] = str(m)
-    per_count = bench_thread_counts(names, feeds, counts, rounds=rounds, warmup=warmup, provider=provider)
-    scale = scaling(per_count)
+    if paired:
+        per_count = bench_thread_pairs(names, feeds, counts, rounds=rounds, warmup=warmup)
+        scale = paired_scaling(per_count)
+        relative = paired_scaling(per_count, relative_to=next(iter(names)))
+    else:
+        per_count = bench_thread_counts(names, feeds, counts, rounds=rounds, warmup=warmup, provider=provider)
+        scale, relative = scaling(per_count), None
     rows = []
     for n, results in per_count.items():
         for r in results:
             row = {**r.as_dict(results[0]), "threads": n}
             if len(counts) > 1:
                 row["scaling"] = scale[n][r.name]
+            if relative is not None:
+                row["scaling_vs_first_model"] = relative[n][r.name]
             rows.append(row)
     if json_:
         typer.echo(json.dumps({"feeds": feeds_mod.describe(feeds), "threads": counts[0] if len(counts) == 1 else counts,
+                               "paired": paired,
                                "session_settings": {n: model_settings(p) for n, p in names.items()},
                                "results": rows}, indent=2))
         return
@@ -88,13 +111,17 @@ def command(
     cols = [("model", {"no_wrap": True}), ("p50 ms", right), ("p90 ms", right), ("items/s", right), ("× first", right)]
     if len(counts) > 1:
         cols = [("threads", right), *cols, (f"scaling vs {counts[0]}t", right)]
-    t = table(f"graphopt bench ({feeds_mod.describe(feeds)}; {','.join(map(str, counts))} thread(s), "
-              "interleaved per thread count)", cols)
+    if relative is not None:
+        cols.append(("÷ first's scaling", right))
+    how = "all counts interleaved, scaling paired by round (medians)" if paired else "interleaved per thread count"
+    t = table(f"graphopt bench ({feeds_mod.describe(feeds)}; {','.join(map(str, counts))} thread(s), {how})", cols)
     for r in rows:
         cells = [r["model"], f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['items_per_s']:.1f}",
                  f"{r['speedup_vs_first']:.3f}"]
         if len(counts) > 1:
             cells = [str(r["threads"]), *cells, f"{r['scaling']:.2f}x"]
+        if relative is not None:
+            cells.append(f"{r['scaling_vs_first_model']:.2f}")
         t.add_row(*cells)
     make_console().print(t)
 
