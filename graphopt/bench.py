@@ -171,6 +171,35 @@ def bench_thread_counts(
     return out
 
 
+class ConcurrentSessions:
+    """``n`` single-thread sessions of one model that run each feed at the same time (one Python thread
+    each; ONNX Runtime releases the GIL): ``n`` times the items per run. How a CPU service scales by
+    model instances (Triton's ``instance_group``) rather than by intra-op threads."""
+
+    def __init__(self, sessions: Sequence[object]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.sessions = list(sessions)
+        self._pool = ThreadPoolExecutor(len(self.sessions), thread_name_prefix="graphopt-bench")
+
+    def get_inputs(self):
+        return self.sessions[0].get_inputs()
+
+    def get_overridable_initializers(self):
+        return self.sessions[0].get_overridable_initializers()
+
+    def run(self, output_names, feed):
+        return list(self._pool.map(lambda s: s.run(output_names, feed), self.sessions))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+#: how ``bench_thread_pairs`` spends a count of ``n`` cores: one session with ``n`` intra-op threads, or
+#: ``n`` concurrent single-thread sessions
+SCALE_BY = ("threads", "instances")
+
+
 def bench_thread_pairs(
     models: Mapping[str, object],
     feeds: Sequence[Mapping[str, np.ndarray]],
@@ -179,17 +208,26 @@ def bench_thread_pairs(
     rounds: int = 20,
     warmup: int = 2,
     hints: bool = True,
+    scale_by: str = "threads",
 ) -> dict[int, list[BenchResult]]:
     """Like :func:`bench_thread_counts` (CPU), but every thread count in one round-robin: each round runs
     each model's sessions back to back, one per thread count (their order reversed every other round,
     the models' order rotating), so a model's timings at different counts are seconds apart and share
-    the machine's phase. Compare them round by round with :func:`paired_scaling`."""
+    the machine's phase. Compare them round by round with :func:`paired_scaling`.
+
+    ``scale_by='instances'``: a count ``n`` is ``n`` concurrent single-thread sessions
+    (:class:`ConcurrentSessions`, ``n`` times the items per round) instead of ``n`` intra-op threads."""
+    if scale_by not in SCALE_BY:
+        raise ValueError(f"scale_by must be one of {SCALE_BY}, got {scale_by!r}")
     settings = {name: model_settings(m) if hints else {} for name, m in models.items()}
-    sessions = {
-        (name, n): runtime.make_session(m, threads=n, optimize=True, spinning=False,
-                                        **session_hints.session_kwargs(settings[name]))
-        for name, m in models.items() for n in thread_counts
-    }
+
+    def make(m, name: str, n: int):
+        kw = dict(optimize=True, spinning=False, **session_hints.session_kwargs(settings[name]))
+        if scale_by == "threads" or n == 1:
+            return runtime.make_session(m, threads=n, **kw)
+        return ConcurrentSessions([runtime.make_session(m, threads=1, **kw) for _ in range(n)])
+
+    sessions = {(name, n): make(m, name, n) for name, m in models.items() for n in thread_counts}
     keys = {f"{n}\t{name}": (name, n) for name, n in sessions}
     names = list(models)
 
@@ -198,23 +236,31 @@ def bench_thread_pairs(
         rotated = names[r % len(names):] + names[: r % len(names)]
         return [f"{n}\t{name}" for name in rotated for n in counts]
 
-    flat = bench_sessions({k: sessions[v] for k, v in keys.items()}, feeds, rounds=rounds, warmup=warmup,
-                          schedule=schedule)
+    try:
+        flat = bench_sessions({k: sessions[v] for k, v in keys.items()}, feeds, rounds=rounds, warmup=warmup,
+                              schedule=schedule)
+    finally:
+        for s in sessions.values():
+            if isinstance(s, ConcurrentSessions):
+                s.close()
     by_key = {keys[r.name]: r for r in flat}
-    return {n: [dataclasses.replace(by_key[name, n], name=name) for name in names] for n in thread_counts}
+    copies = {(name, n): n if isinstance(s, ConcurrentSessions) else 1 for (name, n), s in sessions.items()}
+    return {n: [dataclasses.replace(by_key[name, n], name=name,
+                                    items_per_round=by_key[name, n].items_per_round * copies[name, n])
+                for name in names] for n in thread_counts}
 
 
 def paired_scaling(results: Mapping[int, Sequence[BenchResult]], relative_to: str | None = None
                    ) -> dict[int, dict[str, float]]:
-    """Each model's scaling, round by round (its round time at the first thread count over its round time
-    at each count; rounds paired by index, as :func:`bench_thread_pairs` makes them), the median over
+    """Each model's scaling, round by round (its throughput in a round at each thread count over its
+    throughput in the same round at the first count; rounds paired by index, as :func:`bench_thread_pairs` makes them), the median over
     rounds. With ``relative_to`` (a model's name), each round's scaling is first divided by that model's
     in the same round: the model's scaling relative to a baseline's, with the machine's phases cancelled."""
     counts = list(results)
-    first = {r.name: np.asarray(r.round_seconds) for r in results[counts[0]]}
+    first = {r.name: r.items_per_round / np.asarray(r.round_seconds) for r in results[counts[0]]}
     out: dict[int, dict[str, float]] = {}
     for n in counts:
-        per = {r.name: first[r.name] / np.asarray(r.round_seconds) for r in results[n]}
+        per = {r.name: r.items_per_round / np.asarray(r.round_seconds) / first[r.name] for r in results[n]}
         if relative_to is not None:
             per = {k: v / per[relative_to] for k, v in per.items()}
         out[n] = {k: float(np.median(v)) for k, v in per.items()}

@@ -109,3 +109,33 @@ def test_bench_paired_json_and_table(run_cli, mlp_path):
     for bad in (["--threads", "2"], ["--threads", "1,2", "--provider", "cuda"]):
         code, _, err = run_cli("bench", mlp_path, *bad, "--paired", "--rounds", "1")
         assert code != 0 and "--paired" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_instances_runs_concurrent_single_thread_sessions(mlp_path, monkeypatch):
+    """--scale-by instances: a count of 2 is two single-thread sessions running every feed at once, so a
+    round holds twice the items; scaling compares throughput, not round time."""
+    made = []
+    real = runtime.make_session
+
+    def spy(model, **kw):
+        made.append(kw.get("threads"))
+        return real(model, **kw)
+
+    feeds, _ = runnable(io.load(mlp_path), count=2, batch=3, seq=8, padded=False)
+    monkeypatch.setattr(runtime, "make_session", spy)
+    res = bench_thread_pairs({"a": str(mlp_path)}, feeds, [1, 2], rounds=2, warmup=0, scale_by="instances")
+    assert made == [1, 1, 1]  # one session for the count 1, two single-thread sessions for the count 2
+    assert [r.items_per_round for r in (res[1][0], res[2][0])] == [6, 12]
+    one = {1: [BenchResult("m", [1.0, 1.0], 6)], 2: [BenchResult("m", [1.0, 1.25], 12)]}
+    assert abs(paired_scaling(one)[2]["m"] - 1.8) < 1e-12  # per round 2.0 and 1.6
+
+
+def test_bench_scale_by_is_checked(run_cli, mlp_path):
+    for bad in (["--threads", "1,2", "--scale-by", "instances"], ["--threads", "1,2", "--paired", "--scale-by", "cores"]):
+        code, _, err = run_cli("bench", mlp_path, *bad, "--rounds", "1")
+        assert code != 0 and "--scale-by" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli("bench", mlp_path, "--threads", "1,2", "--paired", "--scale-by", "instances",
+                             "--rounds", "1", "--warmup", "0", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["scale_by"] == "instances" and {r["threads"] for r in doc["results"]} == {1, 2}

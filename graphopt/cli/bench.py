@@ -26,6 +26,10 @@ def command(
         "--paired", help="With --threads: all thread counts in one round-robin, each model's sessions back to "
         "back; scaling is the median over rounds of each round's ratio, and '÷ first' divides it by the first "
         "model's in the same round (phases of a noisy machine cancel). CPU only.")] = False,
+    scale_by: Annotated[str, typer.Option(
+        "--scale-by", help="With --paired: spend a count of N cores as N intra-op threads of one session "
+        "(threads) or as N concurrent single-thread sessions (instances, how a service scales by model "
+        "instances).")] = "threads",
     provider: Provider = "cpu",
     json_: Json = False,
 ) -> None:
@@ -39,7 +43,8 @@ def command(
     With --threads 1,2,4 every thread count gets its own sessions and its own interleaved round-robin;
     the table adds each model's scaling (its throughput over its throughput at the first count). With
     --paired every count runs in one round-robin instead, a model's counts back to back, and scaling is
-    taken round by round (the median of each round's ratio), also relative to the first model's.
+    taken round by round (the median of each round's ratio), also relative to the first model's;
+    --scale-by instances spends N cores as N concurrent single-thread sessions instead of N threads.
 
     Each model's sessions use the ONNX Runtime settings recorded in its metadata by `graphopt optimize`
     (graph optimization level, execution mode, inter-op threads); --json lists them.
@@ -51,6 +56,7 @@ def command(
     from graphopt import feeds as feeds_mod
     from graphopt import io
     from graphopt.bench import (
+        SCALE_BY,
         bench_thread_counts,
         bench_thread_pairs,
         model_settings,
@@ -66,6 +72,8 @@ def command(
     if paired and (len(counts) < 2 or provider == "cuda"):
         raise UsageError("--paired compares thread counts on CPU: give --threads with two or more counts "
                          "and no --provider cuda")
+    if scale_by not in SCALE_BY or (scale_by != "threads" and not paired):
+        raise UsageError(f"--scale-by must be one of {', '.join(SCALE_BY)}, and instances needs --paired")
     if provider == "cuda":
         from graphopt.runtime import require_cuda
 
@@ -86,7 +94,7 @@ def command(
             key += "'"
         names[key] = str(m)
     if paired:
-        per_count = bench_thread_pairs(names, feeds, counts, rounds=rounds, warmup=warmup)
+        per_count = bench_thread_pairs(names, feeds, counts, rounds=rounds, warmup=warmup, scale_by=scale_by)
         scale = paired_scaling(per_count)
         relative = paired_scaling(per_count, relative_to=next(iter(names)))
     else:
@@ -103,7 +111,7 @@ def command(
             rows.append(row)
     if json_:
         typer.echo(json.dumps({"feeds": feeds_mod.describe(feeds), "threads": counts[0] if len(counts) == 1 else counts,
-                               "paired": paired,
+                               "paired": paired, "scale_by": scale_by,
                                "session_settings": {n: model_settings(p) for n, p in names.items()},
                                "results": rows}, indent=2))
         return
@@ -114,6 +122,8 @@ def command(
     if relative is not None:
         cols.append(("÷ first's scaling", right))
     how = "all counts interleaved, scaling paired by round (medians)" if paired else "interleaved per thread count"
+    if scale_by == "instances":
+        how += "; a count N = N concurrent single-thread sessions"
     t = table(f"graphopt bench ({feeds_mod.describe(feeds)}; {','.join(map(str, counts))} thread(s), {how})", cols)
     for r in rows:
         cells = [r["model"], f"{r['p50_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['items_per_s']:.1f}",
