@@ -312,6 +312,12 @@ def deploy(model_path: str | os.PathLike, repo: str | os.PathLike, *, name: str 
         raise UsageError(f"bad model name {name!r}", hint="give --name NAME (letters, digits, - and _)")
     if max_batch < 0 or instances < 1:
         raise UsageError("--max-batch must be >= 0 and --instances >= 1")
+    if provider == "cpu" and instances > 1 and not threads:
+        # ORT's default (one intra-op thread per core) in every instance would oversubscribe the cores;
+        # and concurrent single-thread sessions scale better than intra-op threads on graphopt's packed
+        # graphs (docs/benchmarks.md, issue 20: 1.92x against 1.54x on 2 cores for the int8 MiniLM)
+        threads = 1
+        logger.info("%d CPU instances: 1 intra-op thread each (give --threads to change)", instances)
     report_dict = None
     if report is not None:
         try:

@@ -67,6 +67,20 @@ def test_config_pbtxt_parses_with_triton_proto_and_matches_signature(rp_model, t
     assert set(man["onnxruntime"]["contrib_ops"]) >= {"MultiHeadAttention", "BiasGelu"}
 
 
+def test_cpu_instances_default_to_one_intra_op_thread(mlp_path, tmp_path):
+    """Several CPU instances without --threads: one intra-op thread each (not one per core in every
+    instance); one instance keeps ORT's default, and --threads is kept as given."""
+    def intra(entry):
+        _, cfg = _parse_config(entry / "config.pbtxt")
+        man = json.loads((entry / "graphopt.json").read_text())
+        got = cfg.parameters["intra_op_thread_count"].string_value if "intra_op_thread_count" in cfg.parameters else None
+        return got, man["session"]["intra_op_threads"]
+
+    assert intra(deploy.deploy(mlp_path, tmp_path / "r1", name="a", instances=3)) == ("1", 1)
+    assert intra(deploy.deploy(mlp_path, tmp_path / "r2", name="a", instances=1)) == (None, None)
+    assert intra(deploy.deploy(mlp_path, tmp_path / "r3", name="a", instances=2, threads=4)) == ("4", 4)
+
+
 def test_unbatched_model_config(mlp_path, tmp_path):
     """A model without a named batch dim on every input and output gets max_batch_size 0 and full dims."""
     m = onnx.load(str(mlp_path))
