@@ -115,6 +115,39 @@ def test_many_concurrent_clients_random_lengths(server, models):
     assert len({len(ids) for ids in jobs}) > 10
 
 
+def test_instances_run_batches_at_once_on_their_own_sessions(models, tmp_path):
+    """Two instances: two single-thread sessions; 32 concurrent clients are all answered right, and
+    both instances ran batches. A deploy entry with --instances 2 serves the same way."""
+    from graphopt import deploy
+    from graphopt.serve import Runner, load_runner
+
+    runner = Runner(models[1], name=NAME, instances=2)
+    assert runner.instances == 2 and runner.threads == 1 and len({id(s) for s in runner.sessions}) == 2
+    srv = ThreadServer(runner, max_batch=4, max_delay_ms=2)
+    try:
+        rows = token_rows()
+        jobs = [rows[i % len(rows)] for i in range(64)]
+
+        def client(part):
+            c = httpclient.InferenceServerClient(srv.url)
+            return [c.infer(NAME, _inputs(ids)).as_numpy("last_hidden_state") for ids in part]
+
+        parts = [jobs[i::32] for i in range(32)]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(client, parts))
+        for part, outs in zip(parts, answers):
+            for ids, got in zip(part, outs):
+                np.testing.assert_allclose(got, _expected(models[2], ids), atol=ATOL)
+        assert srv.batcher.requests == 64 and min(srv.batcher.instance_batches) > 0, srv.batcher.instance_batches
+    finally:
+        srv.stop()
+    entry = deploy.deploy(models[1], tmp_path / "repo", name=NAME, instances=2)
+    served = load_runner(entry)
+    assert (served.instances, served.threads) == (2, 1)
+    with pytest.raises(Exception, match="instances"):
+        Runner(models[1], name=NAME, instances=0)
+
+
 def _raw(url, body: bytes, headers=None, path=f"/v2/models/{NAME}/infer"):
     host, port = url.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)

@@ -67,13 +67,16 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, *, max_batch: int, max_delay_ms: float, threads: int | None):
+    def __init__(self, model: Path, *, max_batch: int, max_delay_ms: float, threads: int | None,
+                 instances: int = 1):
         self.port = _free_port()
         self.url = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "graphopt.cli.main", "serve", str(model), "--name", "m", "--port",
                str(self.port), "--max-batch", str(max_batch), "--max-delay-ms", str(max_delay_ms)]
         if threads:
             cmd += ["--threads", str(threads)]
+        if instances > 1:
+            cmd += ["--instances", str(instances)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         import tritonclient.http as http
 
@@ -178,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-delay-ms", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=None, help="ORT intra-op threads of the server")
+    ap.add_argument("--instances", type=int, default=0,
+                    help="also serve the optimized model as this many single-thread sessions (--instances)")
     ap.add_argument("--min-cosine", type=float, default=0.99, help="sentence-embedding cosine vs fp32")
     ap.add_argument("--only", action="append", default=[],
                     help="a variant to run, by name (repeatable; the names hold commas, e.g. 'optimized, batching')")
@@ -188,11 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt import runtime
 
     variants = [
-        ("optimized, batching", args.model, args.max_batch),
-        ("optimized, batching off", args.model, 1),
-        ("plain export, batching", args.plain, args.max_batch),
-        ("plain export, batching off", args.plain, 1),
+        ("optimized, batching", args.model, args.max_batch, 1),
+        ("optimized, batching off", args.model, 1, 1),
+        ("plain export, batching", args.plain, args.max_batch, 1),
+        ("plain export, batching off", args.plain, 1, 1),
     ]
+    if args.instances > 1:  # N single-thread sessions running batches at once (graphopt serve --instances)
+        variants.append((f"optimized, batching, {args.instances} instances", args.model, args.max_batch,
+                         args.instances))
     if args.only:
         unknown = set(args.only) - {v[0] for v in variants}
         if unknown:
@@ -205,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     # All servers run at once (idle ones cost nothing: ORT spinning is off) and the variants take turns,
     # --rounds phases each, so a slow phase of a shared machine hits every variant alike.
     servers = {}
-    phases: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    phases: dict[str, list[dict]] = {name: [] for name, *_ in variants}
     try:
-        for name, model, max_batch in variants:
-            servers[name] = Server(model, max_batch=max_batch, max_delay_ms=args.max_delay_ms, threads=args.threads)
+        for name, model, max_batch, instances in variants:
+            servers[name] = Server(model, max_batch=max_batch, max_delay_ms=args.max_delay_ms,
+                                   threads=None if instances > 1 else args.threads, instances=instances)
         for srv in servers.values():  # warm-up
             load(srv.url, rows[:16], refs[:16], clients=args.clients, seconds=2, max_requests=128,
                  min_cosine=args.min_cosine)

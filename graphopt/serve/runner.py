@@ -52,15 +52,25 @@ class Runner:
     """Owns the session; ``validate`` checks a request, ``run`` computes a list of items as batches."""
 
     def __init__(self, model_path: str | os.PathLike, *, name: str, provider: str = "cpu",
-                 threads: int | None = None, max_length: int = DEFAULT_MAX_LENGTH, version: str = "1"):
+                 threads: int | None = None, max_length: int = DEFAULT_MAX_LENGTH, version: str = "1",
+                 instances: int = 1):
         from graphopt import io, runtime
+
+        if instances < 1:
+            raise UsageError(f"instances must be at least 1, got {instances}")
+        if provider == "cpu" and instances > 1 and not threads:
+            threads = 1  # one core per instance, not ORT's one thread per core in every instance
 
         self.path = Path(model_path)
         self.name, self.version, self.max_length = name, version, max_length
         model = io.load(self.path)
         self.sig: Signature = signature(model)
         del model
-        self.session = runtime.make_session(self.path, provider=provider, threads=threads, spinning=False)
+        #: one session per instance: the batcher runs that many batches at once (``run(..., instance=k)``)
+        self.sessions = [runtime.make_session(self.path, provider=provider, threads=threads, spinning=False)
+                         for _ in range(instances)]
+        self.session = self.sessions[0]
+        self.instances, self.threads = instances, threads
         self.platform = "onnxruntime_onnx"
         self._inputs = {s.name: s for s in self.sig.inputs}
         self._outputs = {s.name: s for s in self.sig.outputs}
@@ -161,18 +171,19 @@ class Runner:
             start += it.rows
         return out
 
-    def _run_group(self, items: list[Item]) -> list[dict[str, np.ndarray]]:
+    def _run_group(self, items: list[Item], instance: int = 0) -> list[dict[str, np.ndarray]]:
         names = sorted({n for it in items for n in it.outputs})
-        values = self.session.run(names, self._batch_inputs(items))
+        values = self.sessions[instance].run(names, self._batch_inputs(items))
         return self._split(items, dict(zip(names, values)))
 
-    def run(self, items: list[Item]) -> list[dict[str, np.ndarray] | InferError]:
-        """Results in ``items`` order; a request that fails gets an ``InferError`` of its own."""
+    def run(self, items: list[Item], instance: int = 0) -> list[dict[str, np.ndarray] | InferError]:
+        """Results in ``items`` order, computed on session ``instance``; a request that fails gets an
+        ``InferError`` of its own."""
         results: list[Any] = [None] * len(items)
         for group in self.groups(items):
             members = [items[i] for i in group]
             try:
-                for i, r in zip(group, self._run_group(members)):
+                for i, r in zip(group, self._run_group(members, instance)):
                     results[i] = r
                 continue
             except Exception as e:  # ONNX Runtime failed: find the culprit(s) one request at a time
@@ -182,7 +193,7 @@ class Runner:
                 logger.info("batch of %d failed (%s); retrying one by one", len(members), first_line(e, 120))
             for i in group:
                 try:
-                    results[i] = self._run_group([items[i]])[0]
+                    results[i] = self._run_group([items[i]], instance)[0]
                 except Exception as e:
                     results[i] = InferError(f"inference failed: {first_line(e, 300)}")
         return results
@@ -214,7 +225,7 @@ def _entry(path: Path, name: str | None) -> Path:
 
 
 def load_runner(model: str | os.PathLike, *, name: str | None = None, provider: str | None = None,
-                threads: int | None = None, max_length: int | None = None) -> Runner:
+                threads: int | None = None, max_length: int | None = None, instances: int | None = None) -> Runner:
     """A ``Runner`` for an ``.onnx`` file or a ``graphopt deploy`` repository (its manifest fills defaults)."""
     path = Path(model)
     if not path.exists():
@@ -232,4 +243,5 @@ def load_runner(model: str | os.PathLike, *, name: str | None = None, provider: 
     contract = man.get("input_contract", {})
     return Runner(path, name=name, provider=provider or session.get("provider") or "cpu",
                   threads=threads or session.get("intra_op_threads"),
+                  instances=instances or session.get("instances") or 1,
                   max_length=max_length or contract.get("max_sequence_length") or DEFAULT_MAX_LENGTH)
