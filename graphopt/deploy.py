@@ -296,6 +296,17 @@ def manifest(model: ir.Model, sig: Signature, *, name: str, report: dict | None,
     }
 
 
+def instance_threads(provider: str, instances: int, threads: int | None) -> int | None:
+    """The intra-op threads of each of ``instances`` sessions (``graphopt deploy``, ``graphopt serve``):
+    ``threads`` if given; on CPU with several instances 1, since ORT's default (one thread per core) in
+    every instance would oversubscribe the cores, and concurrent single-thread sessions scale better
+    than intra-op threads on graphopt's packed graphs (docs/benchmarks.md, issue 20: 1.80x against 1.46-1.66x
+    on 2 cores for the int8 MiniLM, `graphopt bench --paired`); else ``None`` (ORT's default)."""
+    if provider == "cpu" and instances > 1 and not threads:
+        return 1
+    return threads or None
+
+
 def deploy(model_path: str | os.PathLike, repo: str | os.PathLike, *, name: str | None = None,
            max_batch: int = 32, provider: str = "cpu", instances: int = 1, threads: int | None = None,
            max_delay_us: int = 2000, max_length: int = DEFAULT_MAX_LENGTH, report: str | os.PathLike | None = None,
@@ -312,12 +323,10 @@ def deploy(model_path: str | os.PathLike, repo: str | os.PathLike, *, name: str 
         raise UsageError(f"bad model name {name!r}", hint="give --name NAME (letters, digits, - and _)")
     if max_batch < 0 or instances < 1:
         raise UsageError("--max-batch must be >= 0 and --instances >= 1")
-    if provider == "cpu" and instances > 1 and not threads:
-        # ORT's default (one intra-op thread per core) in every instance would oversubscribe the cores;
-        # and concurrent single-thread sessions scale better than intra-op threads on graphopt's packed
-        # graphs (docs/benchmarks.md, issue 20: 1.92x against 1.54x on 2 cores for the int8 MiniLM)
-        threads = 1
+    chosen = instance_threads(provider, instances, threads)
+    if chosen and not threads:
         logger.info("%d CPU instances: 1 intra-op thread each (give --threads to change)", instances)
+    threads = chosen
     report_dict = None
     if report is not None:
         try:

@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.deploy import DEFAULT_MAX_LENGTH, MANIFEST_NAME, MODEL_FILE, Signature, read_manifest, signature
+from graphopt.deploy import (
+    DEFAULT_MAX_LENGTH,
+    MANIFEST_NAME,
+    MODEL_FILE,
+    Signature,
+    instance_threads,
+    read_manifest,
+    signature,
+)
 from graphopt.errors import GraphoptError, ModelLoadError, UsageError, first_line
 
 logger = logging.getLogger(__name__)
@@ -49,7 +57,7 @@ class Item:
 
 
 class Runner:
-    """Owns the session; ``validate`` checks a request, ``run`` computes a list of items as batches."""
+    """Owns the sessions; ``validate`` checks a request, ``run`` computes a list of items as batches."""
 
     def __init__(self, model_path: str | os.PathLike, *, name: str, provider: str = "cpu",
                  threads: int | None = None, max_length: int = DEFAULT_MAX_LENGTH, version: str = "1",
@@ -58,8 +66,7 @@ class Runner:
 
         if instances < 1:
             raise UsageError(f"instances must be at least 1, got {instances}")
-        if provider == "cpu" and instances > 1 and not threads:
-            threads = 1  # one core per instance, not ORT's one thread per core in every instance
+        threads = instance_threads(provider, instances, threads)
 
         self.path = Path(model_path)
         self.name, self.version, self.max_length = name, version, max_length
@@ -69,7 +76,6 @@ class Runner:
         #: one session per instance: the batcher runs that many batches at once (``run(..., instance=k)``)
         self.sessions = [runtime.make_session(self.path, provider=provider, threads=threads, spinning=False)
                          for _ in range(instances)]
-        self.session = self.sessions[0]
         self.instances, self.threads = instances, threads
         self.platform = "onnxruntime_onnx"
         self._inputs = {s.name: s for s in self.sig.inputs}
