@@ -120,17 +120,7 @@ def run_model(
     grow with the number of feeds. An ``onnx_ir`` model with CUDA-only ops runs through their
     stand-ins where CUDA is not used.
     """
-    return _run_streaming(_session(model, provider, optimize), feeds)
-
-
-def run_session(sess, feeds: Sequence[Mapping[str, np.ndarray]], *, comparer: Comparer | None = None,
-                reference: Sequence[Mapping[str, np.ndarray]] | None = None, keep: bool = True) -> OutputStore:
-    """Outputs of an ORT session on each feed, kept in an OutputStore (spilled past its memory budget).
-
-    With ``comparer``, each feed's outputs are folded into it against ``reference[i]`` as they come;
-    ``keep=False`` then keeps none of them (the store comes back empty).
-    """
-    return _run_streaming(sess, feeds, comparer, reference, keep=keep)
+    return run_session(_session(model, provider, optimize), feeds)
 
 
 def _session(model, provider: str, optimize: bool = False):
@@ -142,9 +132,13 @@ def _session(model, provider: str, optimize: bool = False):
     return runtime.make_session(model, provider=provider, optimize=optimize)
 
 
-def _run_streaming(sess, feeds, comparer: Comparer | None = None,
-                   reference: Sequence[Mapping[str, np.ndarray]] | None = None, *, keep: bool = True) -> OutputStore:
-    """Run ``sess`` feed by feed into an OutputStore, folding each feed into ``comparer`` on the way."""
+def run_session(sess, feeds: Sequence[Mapping[str, np.ndarray]], comparer: Comparer | None = None,
+                reference: Sequence[Mapping[str, np.ndarray]] | None = None, *, keep: bool = True) -> OutputStore:
+    """Outputs of an ORT session on each feed, kept in an OutputStore (spilled past its memory budget).
+
+    With ``comparer``, each feed's outputs are folded into it against ``reference[i]`` as they come;
+    ``keep=False`` then keeps none of them (the store comes back empty).
+    """
     import onnxruntime as ort
 
     outs = OutputStore()
@@ -218,7 +212,7 @@ def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, pro
     # feed by feed: each feed's outputs are compared as they come, then kept only in the store
     comparer = Comparer(atol=atol, rtol=rtol) if reference is not None else None
     try:
-        outs = _run_streaming(_session(data if data is not None else proto, provider), feeds, comparer, reference)
+        outs = run_session(_session(data if data is not None else proto, provider), feeds, comparer, reference)
     except RuntimeSetupError as e:
         return Verdict(level, False, reason=f"{where}: {e.message}")
     if comparer is None:
