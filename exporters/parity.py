@@ -1,7 +1,7 @@
 """The parity gate: PyTorch and ONNX Runtime on the same feeds, compared mask-aware.
 
 The feeds include a right-padded batch of mixed lengths; positions the attention mask marks as
-padding are left out (``graphopt.metrics.compare``), so the gate measures real tokens only.
+padding are left out (``graphopt.data.metrics.compare``), so the gate measures real tokens only.
 An output whose ``max_abs`` exceeds ``atol`` fails the gate with :class:`ParityError`.
 
 Default tolerances: ``1e-4`` for fp32 exports; ``1e-2`` for fp16 (the fp16 graph is compared against
@@ -93,7 +93,8 @@ def _describe(feed: dict[str, np.ndarray]) -> str:
 def check(model, reference, feeds, input_names, output_names, *, atol: float, fp16_inputs: bool = False,
           src: str = "model") -> ParityResult:
     """Compare ORT on ``model`` (onnx_ir.Model or path) with ``reference`` (torch); raise on failure."""
-    from graphopt import metrics, runtime
+    from graphopt.data import metrics
+    from graphopt.runtime import session as runtime
 
     ref = torch_outputs(reference, feeds, input_names, output_names)
     ort_feeds = feeds

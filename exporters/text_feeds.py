@@ -112,7 +112,7 @@ def write_text_feeds(
     seed: int = 0,
 ) -> FeedStats:
     """Tokenize ``text`` with the tokenizer in ``tokenizer_dir`` and write ``.npz`` feeds to ``output``."""
-    from graphopt import feeds as gfeeds
+    from graphopt.data import feeds as gfeeds
 
     out = Path(output)
     if out.exists() and not out.is_dir():

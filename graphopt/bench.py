@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from graphopt import runtime, session_hints
+from graphopt.runtime import session as runtime
+from graphopt.runtime import session_hints
 
 
 @dataclasses.dataclass
@@ -152,7 +153,7 @@ def bench_thread_counts(
     The sessions of one thread count are made, benched together (all models exposed to the same
     phases) and released before the next count's; compare thread counts with :func:`scaling`. With
     ``hints`` each model's session uses the settings recorded in its metadata (graph optimization level,
-    execution mode, inter-op threads: :mod:`graphopt.session_hints`), the thread count staying ``threads``.
+    execution mode, inter-op threads: :mod:`graphopt.runtime.session_hints`), the thread count staying ``threads``.
     """
     cuda = provider == "cuda"
     if cuda:

@@ -8,14 +8,14 @@
 
 The configuration states the signature (``-1`` where a dimension is dynamic; with ``max_batch_size`` > 0 the
 batch dimension is left out, as Triton wants), dynamic batching with preferred sizes, one instance group for
-the provider, and the ONNX Runtime session settings the model recorded (``graphopt.session_hints``; a model
+the provider, and the ONNX Runtime session settings the model recorded (``graphopt.runtime.session_hints``; a model
 without them gets graphopt's defaults): graph optimization level ``all`` (graphopt's CPU residual LayerNorm
 form, ``Sum`` + ``LayerNormalization``, survives it: ORT has no rule turning a ``Sum`` back into
 ``SkipLayerNormalization``), sequential execution with one inter-op thread, and the intra-op thread count
 when one is given.
 
 The minimum ORT version and the providers come from the ops actually in the graph
-(``graphopt.ort_compat``). The input contract says which inputs carry tokens and what padding means:
+(``graphopt.runtime.ort_compat``). The input contract says which inputs carry tokens and what padding means:
 a ``remove-padding`` model computes only real tokens, so a batch may mix lengths freely (padding costs
 nothing); a padded model pays for every padded position, so servers should batch equal lengths.
 """
@@ -138,7 +138,7 @@ def _from_mask(value: ir.Value | None, mask: str, hops: int = 4) -> bool:
 def is_packed(model: ir.Model) -> bool:
     """Whether graphopt's remove-padding rewrote ``model``: its nodes' provenance says so or, where the
     metadata was stripped, the graph packs real tokens by ``NonZero`` of the flattened attention mask."""
-    from graphopt.provenance import chain_of
+    from graphopt.engine.provenance import chain_of
 
     nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
     if any("remove-padding" in chain_of(n) for n in nodes):
@@ -180,7 +180,7 @@ def config_pbtxt(name: str, sig: Signature, *, max_batch: int, provider: str, in
                  threads: int | None, max_delay_us: int, level: str = "all", execution_mode: str = "sequential",
                  inter_op_threads: int = 1) -> str:
     """Triton's ``config.pbtxt`` text for the ``onnxruntime`` backend (``level``, ``execution_mode`` and
-    ``inter_op_threads``: the model's recorded session settings, ``graphopt.session_hints``)."""
+    ``inter_op_threads``: the model's recorded session settings, ``graphopt.runtime.session_hints``)."""
     batch = max_batch if sig.batched else 0
     lines = [f'name: "{name}"', 'backend: "onnxruntime"', f"max_batch_size: {batch}"]
     for kind, specs in (("input", sig.inputs), ("output", sig.outputs)):
@@ -218,7 +218,7 @@ def _sha256(path: Path) -> str:
 
 def _report_fields(report: dict | None, model: ir.Model) -> dict:
     if report is None:
-        from graphopt.provenance import chain_of
+        from graphopt.engine.provenance import chain_of
 
         seen: list[str] = []
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
@@ -241,8 +241,8 @@ def _report_fields(report: dict | None, model: ir.Model) -> dict:
 
 
 def _session_settings(model: ir.Model) -> dict[str, Any]:
-    """The ORT session settings the model recorded (``graphopt.session_hints``), graphopt's defaults else."""
-    from graphopt import session_hints
+    """The ORT session settings the model recorded (``graphopt.runtime.session_hints``), graphopt's defaults else."""
+    from graphopt.runtime import session_hints
 
     return {**session_hints.MEASURED, **session_hints.read(model)}
 
@@ -254,7 +254,7 @@ def manifest(model: ir.Model, sig: Signature, *, name: str, report: dict | None,
     import onnxruntime as ort
 
     import graphopt
-    from graphopt.ort_compat import requirements
+    from graphopt.runtime.ort_compat import requirements
 
     req = requirements(model)
     if provider == "cuda" and "cuda" not in req.providers:

@@ -21,6 +21,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript.rewriter import RewritePass
 
+from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
+from graphopt.engine.verify import check_structure
 from graphopt.errors import VerificationError
 from graphopt.onnxscript_compat import (
     DEFAULT_REWRITE_RULES,
@@ -29,8 +31,6 @@ from graphopt.onnxscript_compat import (
     FoldConstantsPass,
 )
 from graphopt.opsets import default_opset
-from graphopt.registry import GraphoptPass, PassContext, PassResult, register
-from graphopt.verify import check_structure
 
 CUSTOM_DOMAIN = "ai.graphopt"
 #: onnxscript's rewrite rules are written for opset 18+; below it only folding and DCE run

@@ -8,9 +8,10 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt import io, pipeline
-from graphopt.report import op_histogram
-from graphopt.verify import run_model
+from graphopt import io
+from graphopt.engine import pipeline
+from graphopt.engine.report import op_histogram
+from graphopt.engine.verify import run_model
 
 
 def _model(nodes, inputs, outputs, inits=(), opsets=(("", 17),), ir_version=8, functions=()):

@@ -36,13 +36,14 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import runtime, standins
+from graphopt.data.feeds import calibration_feeds
+from graphopt.data.metrics import Budget, Comparison, compare, parse_budget
+from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
-from graphopt.feeds import calibration_feeds
-from graphopt.metrics import Budget, Comparison, compare, parse_budget
 from graphopt.opsets import node_domain
-from graphopt.registry import GraphoptPass, PassContext, PassResult, register
-from graphopt.rewrites import _ffn
+from graphopt.rewrites.common import ffn as _ffn
+from graphopt.runtime import session as runtime
+from graphopt.runtime import standins
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,13 @@ import onnx_ir as ir
 import pytest
 from testmodels import tiny_bert_feeds
 
-from graphopt import runtime, standins
+from graphopt.data.metrics import compare, parse_budget
+from graphopt.engine.registry import PassContext
 from graphopt.errors import UsageError
-from graphopt.metrics import compare, parse_budget
-from graphopt.registry import PassContext
-from graphopt.rewrites import _ffn
+from graphopt.rewrites.common import ffn as _ffn
 from graphopt.rewrites.contextual_sparsity import ContextualSparsityPass, fit_predictor, recall, topk_rows
+from graphopt.runtime import session as runtime
+from graphopt.runtime import standins
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_refusals(mlp_path):
 
 
 def test_through_the_pipeline_fused(tiny):
-    from graphopt import pipeline
+    from graphopt.engine import pipeline
 
     path, feeds = tiny
     result = pipeline.optimize(str(path), passes="cleanup,fuse,contextual-sparsity", feeds=feeds,

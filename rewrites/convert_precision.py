@@ -33,7 +33,7 @@ trip through a wider float becomes ``x``; a chain whose first cast is exact beco
 ``false``: they change to the target type.
 
 Verification: ONNX Runtime's CPU provider has no fp16/bf16 kernel for most ops; the pipeline runs
-such nodes through the precision stand-ins of ``graphopt.standins`` (inputs cast to fp32, the op in
+such nodes through the precision stand-ins of ``graphopt.runtime.standins`` (inputs cast to fp32, the op in
 fp32, outputs rounded to the target type: what the CUDA kernels compute, with fp32 accumulation), and
 the report names them. The budget (``default_budget``, or ``--budget``) is confirmed by the pipeline
 on held-back feeds against the input model; the pass itself makes one candidate.
@@ -53,9 +53,9 @@ import numpy as np
 import onnx.defs
 import onnx_ir as ir
 
+from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
 from graphopt.opsets import MS_DOMAIN, node_domain
-from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
 logger = logging.getLogger(__name__)
 

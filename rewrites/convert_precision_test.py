@@ -11,13 +11,15 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt import io, pipeline, registry, standins
+from graphopt import io
+from graphopt.data.metrics import compare
+from graphopt.engine import pipeline, registry
+from graphopt.engine.registry import PassContext
+from graphopt.engine.verify import check_structure, run_model
 from graphopt.errors import UsageError
-from graphopt.metrics import compare
-from graphopt.registry import PassContext
 from graphopt.rewrites.convert_precision import DEFAULT_BLOCK, fold_cast_pairs
-from graphopt.runtime import make_session, run
-from graphopt.verify import check_structure, run_model
+from graphopt.runtime import standins
+from graphopt.runtime.session import make_session, run
 
 F32, F16, BF16 = ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
-from graphopt.registry import GraphoptPass, PassContext, PassResult, register
 
 _UNARY = {"Gelu", "Tanh", "Relu", "Erf", "Sigmoid", "Cast", "Neg", "Sqrt", "Identity", "IsNaN", "Not", "Exp",
           "Reciprocal", "FastGelu", "BiasGelu", "QuickGelu", "Softplus", "HardSigmoid", "Abs"}

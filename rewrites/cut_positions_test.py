@@ -11,10 +11,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
-from graphopt import pipeline, registry
+from graphopt.engine import pipeline, registry
+from graphopt.engine.report import op_histogram
+from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError
-from graphopt.report import op_histogram
-from graphopt.verify import run_model
 from rewrites.cut_positions import CutPositions
 
 MODELS = Path(os.path.expanduser("~/.cache/graphopt/models"))

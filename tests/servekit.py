@@ -21,7 +21,8 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 def remove_padding_minilm(src: str) -> Path:
     """``cleanup,fuse,remove-padding`` on the MiniLM export (structure verified; numerics are the tests' job),
     made once per test run (a temporary folder removed at exit)."""
-    from graphopt import io, pipeline
+    from graphopt import io
+    from graphopt.engine import pipeline
 
     out_dir = tempfile.mkdtemp(prefix="graphopt-serve-tests-")
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)

@@ -18,10 +18,12 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from graphopt import feeds as feeds_mod
-from graphopt import io, pipeline, runtime
+from graphopt import io
+from graphopt.data import feeds as feeds_mod
+from graphopt.engine import pipeline
+from graphopt.engine.verify import run_model
 from graphopt.errors import RuntimeSetupError
-from graphopt.verify import run_model
+from graphopt.runtime import session as runtime
 
 DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 SUITES = ("pytorch-converted", "pytorch-operator", "simple", "light")

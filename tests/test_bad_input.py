@@ -171,7 +171,7 @@ def test_cuda_only_model_on_cpu_says_so(run_cli, tmp_path):
     CPU-only machine: one error line and a hint naming the cause, exit 1."""
     pytest.importorskip("torch", reason="torch is needed to export the tiny models")
     from conftest import load_models_module
-    from graphopt.runtime import cuda_available
+    from graphopt.runtime.session import cuda_available
 
     if cuda_available()[0]:
         pytest.skip("CUDA is present here: the model loads on the CUDA provider")

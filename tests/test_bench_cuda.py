@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 
 from graphopt.bench import bench_sessions
-from graphopt.runtime import make_session, run
+from graphopt.runtime.session import make_session, run
 
 
 def test_bench_cuda_missing_provider_is_one_line(run_cli, mlp_path):

@@ -9,7 +9,7 @@ import pytest
 from testmodels import make_mlp
 
 from conftest import load_tools_module
-from graphopt.feeds import save_dir
+from graphopt.data.feeds import save_dir
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from graphopt import bench as bench_mod
-from graphopt import io, runtime
+from graphopt import io
 from graphopt.bench import BenchResult, bench_thread_counts, bench_thread_pairs, paired_scaling, scaling
-from graphopt.feeds import runnable
+from graphopt.data.feeds import runnable
+from graphopt.runtime import session as runtime
 
 
 def test_bench_threads_json_per_count_and_scaling(run_cli, mlp_path):

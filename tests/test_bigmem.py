@@ -17,9 +17,10 @@ import onnx_ir as ir
 import pytest
 
 from conftest import load_models_module
-from graphopt import interrupt, io, memory, pipeline
+from graphopt import interrupt, io, memory
+from graphopt.engine import pipeline
+from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError
-from graphopt.verify import run_model
 
 big = load_models_module("big_decoder")
 TINY = big.Size(hidden=64, intermediate=128, layers=2, heads=4, vocab=1000)
@@ -110,7 +111,7 @@ def test_cli_max_memory_error_is_one_line(tmp_path, tiny_decoder):
 _PEAK = textwrap.dedent("""
     import json, resource, sys
     from graphopt.cli.main import main
-    import graphopt.pipeline, onnxruntime, onnxscript  # noqa: E401
+    import graphopt.engine.pipeline, onnxruntime, onnxscript  # noqa: E401
     code = main(sys.argv[1:]) if sys.argv[1:] else 0
     print(json.dumps({"rc": code, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """)

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from testmodels import make_mlp
 
-from graphopt import feeds as feeds_mod
+from graphopt.data import feeds as feeds_mod
 
 
 def test_help_is_fast_and_lists_commands():
@@ -116,9 +116,9 @@ def test_optimize_minilm_default_recipe(run_cli, minilm, tmp_path):
 
 
 def test_verify_cli_is_compare_models(run_cli, tmp_path, mlp_path, monkeypatch):
-    """`graphopt verify` prints what graphopt.verify.compare_models returns (no feed loading or
+    """`graphopt verify` prints what graphopt.engine.verify.compare_models returns (no feed loading or
     comparison of its own)."""
-    from graphopt import verify
+    from graphopt.engine import verify
 
     other = tmp_path / "other.onnx"
     make_mlp(other, seed=1)
@@ -144,7 +144,8 @@ def test_verify_cli_is_compare_models(run_cli, tmp_path, mlp_path, monkeypatch):
 def test_compare_models_reports_missing_outputs(tmp_path, mlp_path):
     import onnx_ir as ir
 
-    from graphopt import io, verify
+    from graphopt import io
+    from graphopt.engine import verify
 
     b = io.load(mlp_path)
     out = b.graph.outputs[0]
@@ -158,7 +159,7 @@ def test_compare_models_reports_missing_outputs(tmp_path, mlp_path):
 
 
 def test_provider_is_a_choice_everywhere(run_cli, mlp_path, tmp_path):
-    from graphopt.runtime import PROVIDERS, Provider
+    from graphopt.runtime.session import PROVIDERS, Provider
 
     assert Provider.CUDA == "cuda" and str(Provider.CPU) == "cpu"
     assert "cpu" in PROVIDERS and PROVIDERS["cuda"] == "CUDAExecutionProvider" and " or ".join(PROVIDERS) == "cpu or cuda"
@@ -199,8 +200,9 @@ def test_json_is_a_flag_in_every_command(run_cli):
 
 
 def test_optimize_failure_goes_through_the_common_handler(run_cli, mlp_path, tmp_path, monkeypatch):
-    from graphopt import io, pipeline
-    from graphopt.report import PassRecord, Report
+    from graphopt import io
+    from graphopt.engine import pipeline
+    from graphopt.engine.report import PassRecord, Report
 
     def failing(model, *args, **kwargs):
         rec = PassRecord(name="fuse", status="rolled-back", error="verification failed: max_abs 0.5")

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from testmodels import make_mlp
 
-from graphopt import feeds as feeds_mod
+from graphopt.data import feeds as feeds_mod
 
 # ------------------------------------------------------------------ without a terminal
 
@@ -86,7 +86,7 @@ def test_passes_inspect_verify_bench_diff_not_wrapped_without_terminal(piped_mod
     opt = d / "mlp.opt.onnx"
     if not opt.exists():
         assert _piped("optimize", mlp, "-o", opt, "-q").returncode == 0
-    from graphopt import registry
+    from graphopt.engine import registry
 
     r = _piped("passes")
     assert r.returncode == 0, r.stderr
@@ -212,7 +212,7 @@ def _grouped_attention_model(layers: int = 2, groups: int = 3) -> ir.Model:
 
 
 def test_fusion_status_layers_and_groups():
-    from graphopt.fusion_status import describe, fusion_status
+    from graphopt.analysis.fusion_status import describe, fusion_status
 
     status = fusion_status(_grouped_attention_model(layers=2, groups=3))
     assert status["attention"]["fused"] == 6 and status["fully_fused"]
@@ -246,7 +246,7 @@ def test_inspect_prints_the_fusion_table(run_cli, tmp_path):
 
 
 def test_max_rel_ignores_elements_below_the_floor():
-    from graphopt.metrics import REL_FLOOR, compare
+    from graphopt.data.metrics import REL_FLOOR, compare
 
     ref = np.array([[10.0, 1.0, 1e-4, 0.0]], np.float32)
     got = ref + np.array([[1e-5, 1e-6, 1e-6, 1e-6]], np.float32)

@@ -1,4 +1,4 @@
-"""graphopt.contrib: named inputs and attributes of ORT's com.microsoft attention ops."""
+"""graphopt.runtime.contrib: named inputs and attributes of ORT's com.microsoft attention ops."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 import onnx_ir as ir
 import pytest
 
-from graphopt import contrib
 from graphopt.errors import GraphoptError
 from graphopt.opsets import MS_DOMAIN
+from graphopt.runtime import contrib
 
 
 def _values(*names: str) -> list[ir.Value | None]:

@@ -22,8 +22,9 @@ import onnxruntime as ort
 import pytest
 
 from conftest import load_models_module
-from graphopt import feeds as feeds_mod
-from graphopt import io, pipeline
+from graphopt import io
+from graphopt.data import feeds as feeds_mod
+from graphopt.engine import pipeline
 
 corpus = load_models_module("corpus")
 IN_CI = bool(os.environ.get("CI"))

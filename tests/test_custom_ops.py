@@ -7,7 +7,8 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from graphopt import custom_ops, runtime
+from graphopt.runtime import custom_ops
+from graphopt.runtime import session as runtime
 
 
 def _model(op: str, x_shape, inputs: dict[str, np.ndarray], attrs: dict, n: int) -> ir.Model:

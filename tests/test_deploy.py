@@ -14,7 +14,8 @@ import pytest
 from onnx import TensorProto, helper
 from servekit import INPUTS, feed, remove_padding_minilm, token_rows
 
-from graphopt import deploy, ort_compat
+from graphopt import deploy
+from graphopt.runtime import ort_compat
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -241,7 +241,7 @@ def test_cli_errors(files, tmp_path, run_cli):
 def test_calib_feeds(files, tmp_path, run_cli):
     import numpy as np
 
-    from graphopt.feeds import save_dir
+    from graphopt.data.feeds import save_dir
 
     rng = np.random.default_rng(0)
     save_dir([{"x": rng.standard_normal((1, 3, dm.H)).astype(np.float32)}], tmp_path / "calib")

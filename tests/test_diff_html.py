@@ -176,7 +176,7 @@ def _models(name: str):
 
 def _optimized(src: Path, tmp: Path) -> Path:
     from graphopt import io
-    from graphopt.pipeline import optimize
+    from graphopt.engine.pipeline import optimize
 
     out = tmp / f"{src.stem}.opt.onnx"
     io.save(optimize(src).model, out)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 FUSED = ("com.microsoft::Attention", "com.microsoft::MultiHeadAttention", "com.microsoft::SkipLayerNormalization",
          "com.microsoft::BiasGelu", "com.microsoft::FastGelu", "com.microsoft::Gelu",
          "com.microsoft::EmbedLayerNormalization",
-         "Sum")  # fuse's CPU residual LayerNorm: Sum + LayerNormalization (rewrites/fuse_residual_norm.py)
+         "Sum")  # fuse's CPU residual LayerNorm: Sum + LayerNormalization (rewrites/fuse/rules/residual_norm.py)
 
 
 def _check_regions(result, pass_name: str) -> dict[str, int]:
@@ -62,7 +62,7 @@ def test_minilm_onnxscript_fusions(minilm):
 
 def test_minilm_fuse_pass(minilm, tmp_path):
     """The real `fuse` pass through the pipeline (which writes the graphopt.pass tags)."""
-    from graphopt import pipeline
+    from graphopt.engine import pipeline
 
     path = minilm("dynamo", "sdpa")
     res = pipeline.optimize(path, passes="fuse", verify_level="structure")
@@ -86,7 +86,7 @@ def test_minilm_fuse_pass(minilm, tmp_path):
 def test_minilm_default_recipe_credits_fuse_and_pairs_nothing_unrelated(minilm, tmp_path):
     """The default recipe (cleanup, fuse, remove-padding): remove-padding rebuilds every fused op on packed
     tokens; the diff still credits each to fuse, with the chain, and pairs only what the passes replaced."""
-    from graphopt import pipeline
+    from graphopt.engine import pipeline
 
     path = minilm("dynamo", "sdpa")
     res = pipeline.optimize(path, verify_level="structure")

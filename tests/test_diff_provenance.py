@@ -9,9 +9,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from graphopt import PASS_TAG, io, pipeline, provenance, registry
+from graphopt import PASS_TAG, io
 from graphopt.diff import diff_models
-from graphopt.registry import GraphoptPass, PassResult
+from graphopt.engine import pipeline, provenance, registry
+from graphopt.engine.registry import GraphoptPass, PassResult
 
 H = 8
 MS = "com.microsoft"

@@ -97,8 +97,8 @@ def test_fresh_export_result(tiny, tmp_path):
 
 def test_llama_with_past_torchscript_runs_a_decode_step(tiny, tmp_path):
     """TorchScript on request; the with-past graph takes a one-token step after a 5-token past."""
-    from graphopt import runtime
     from graphopt.exporters import export
+    from graphopt.runtime import session as runtime
 
     folder = tiny.build_folder("llama", "causal-lm-with-past")
     out = tmp_path / "llama.onnx"

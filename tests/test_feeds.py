@@ -1,4 +1,4 @@
-"""Generated feeds that make the original model run (graphopt.feeds, graphopt.feed_hints).
+"""Generated feeds that make the original model run (graphopt.data.feeds, graphopt.data.feeds.hints).
 
 Small hand-built models whose inputs the default sizes and random values do not fit: ``-1`` dims,
 a conv chain whose ``Resize`` needs a multiple of the stride, a reflect ``Pad`` that needs at least
@@ -17,11 +17,12 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper
 
-from graphopt import feeds as feeds_mod
-from graphopt import io, pipeline
+from graphopt import io
+from graphopt.data import feeds as feeds_mod
+from graphopt.data.feeds import split_feeds
+from graphopt.engine import pipeline
+from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError
-from graphopt.feeds import split_feeds
-from graphopt.verify import run_model
 
 
 def _save(tmp_path, graph, name="m.onnx", opset=17):

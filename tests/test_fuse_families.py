@@ -5,7 +5,7 @@ Families: models/tiny.py (bert, gpt2, llama) and models/tiny_zoo.py (the rest; s
 random-initialised, exported once with the dynamo exporter at opset 20 and cached; plus Qwen2 converted
 to opset 23 (onnxscript's version converter), where RMSNorm has an ONNX op. For each family:
 
-(a) ``graphopt.pipeline.optimize`` with the default recipe: every pass status ``ok`` (none rolled back);
+(a) ``graphopt.engine.pipeline.optimize`` with the default recipe: every pass status ``ok`` (none rolled back);
 (b) the fused ops counted exactly (``EXPECTED``; domain-qualified, ``Sum`` is the CPU residual-norm form),
     no op left in the default domain that the model's ONNX opset lacks, no onnxscript placeholder;
 (c) the saved model loads in ``onnxruntime.InferenceSession`` (default session options, CPU) and its
@@ -113,8 +113,8 @@ def _counts(model: ir.Model) -> collections.Counter:
 @pytest.mark.parametrize("family", list(EXPECTED))
 def test_default_recipe_fuses_loads_and_matches(family, tmp_path):
     from graphopt import io
-    from graphopt.feeds import generate
-    from graphopt.pipeline import optimize
+    from graphopt.data.feeds import generate
+    from graphopt.engine.pipeline import optimize
 
     model = _load(family)
     opset = model.opset_imports[""]
@@ -156,7 +156,7 @@ def _check_loads_and_matches(family, src, model, feeds, tmp_path) -> None:
     import onnxruntime as ort
 
     from graphopt import io
-    from graphopt.metrics import compare
+    from graphopt.data.metrics import compare
 
     out = tmp_path / "optimized.onnx"
     io.save(model, out)
@@ -181,8 +181,8 @@ def test_decoder_options_load(family, option, tmp_path):
     """``fuse.gqa=true`` (GroupQueryAttention refused where its rewrite would be ill-formed: positions given by
     their start, partial rotary) and the CUDA forms (Skip* norms kept) pass and load too."""
     from graphopt import io
-    from graphopt.feeds import generate
-    from graphopt.pipeline import optimize
+    from graphopt.data.feeds import generate
+    from graphopt.engine.pipeline import optimize
 
     model = _load(family)
     src = tmp_path / "export.onnx"

@@ -59,7 +59,7 @@ def test_write_atomic_leaves_no_temp_file_on_failure(tmp_path, monkeypatch):
 
 
 def test_report_save_uses_it(tmp_path, umask_027):
-    from graphopt.report import Report
+    from graphopt.engine.report import Report
 
     Report(input="m.onnx").save(tmp_path / "r.json")
     assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o640

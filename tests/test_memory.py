@@ -17,9 +17,11 @@ import onnx_ir as ir
 import pytest
 
 from conftest import load_models_module
-from graphopt import metrics, outputs, pipeline, runtime
+from graphopt.data import metrics, outputs
 from graphopt.diff import diff_models, numeric, staged, structural
-from graphopt.verify import run_model, verify
+from graphopt.engine import pipeline
+from graphopt.engine.verify import run_model, verify
+from graphopt.runtime import session as runtime
 
 _spec = importlib.util.spec_from_file_location("diff_models", Path(__file__).with_name("diff_models.py"))
 dm = importlib.util.module_from_spec(_spec)
@@ -103,7 +105,7 @@ def test_numeric_diff_streamed_equals_all_at_once_small(case, monkeypatch):
         a, b = _ir(dm.mlp_ln()), _ir(dm.mlp_ln(perturb="W2"))
     else:
         a, b = _ir(dm.with_if()), _ir(dm.with_if(then_extra=True))
-    from graphopt import feeds as feeds_mod
+    from graphopt.data import feeds as feeds_mod
 
     feeds = feeds_mod.generate(a, count=4)
     expected = _all_at_once(a, b, feeds)
@@ -195,7 +197,7 @@ def test_output_store_spills_and_round_trips(monkeypatch):
 
 def test_run_model_memory_is_bounded(mlp_path, monkeypatch):
     """run_model keeps at most MEMORY_BYTES of outputs in memory; the rest goes to disk."""
-    from graphopt import feeds as feeds_mod
+    from graphopt.data import feeds as feeds_mod
 
     model = ir.load(mlp_path)
     feeds = feeds_mod.generate(model, count=6)
@@ -266,7 +268,7 @@ def test_comparer_in_parts_equals_compare():
 
 def test_calibration_rows_bounded_with_many_feeds():
     """More feeds than sample_rows: the row sample stays at sample_rows (it grew one row per feed)."""
-    from graphopt.rewrites import _quant_calib
+    from graphopt.rewrites.common import activations as _quant_calib
 
     x = ir.Value(name="x", shape=ir.Shape([None, 4]), type=ir.TensorType(ir.DataType.FLOAT))
     node = ir.node("Relu", [x], name="relu")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from graphopt.data.metrics import compare, parse_budget
 from graphopt.errors import UsageError
-from graphopt.metrics import compare, parse_budget
 
 
 def _feed(mask):

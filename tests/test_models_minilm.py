@@ -91,7 +91,7 @@ def test_sentiment_classifier_is_trained():
 
     import transformers
 
-    from graphopt import runtime
+    from graphopt.runtime import session as runtime
 
     clf = _import("models", "minilm_classifier")
     path = clf.build("dynamo", "sdpa")

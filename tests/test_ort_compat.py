@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from conftest import load_tools_module
-from graphopt.ort_compat import CONTRIB_SINCE, OPSET_SINCE
+from graphopt.runtime.ort_compat import CONTRIB_SINCE, OPSET_SINCE
 
 RECORD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ort-versions.json"
 

@@ -9,9 +9,10 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from graphopt import PASS_TAG, io, pipeline, recipe, registry
+from graphopt import PASS_TAG, io
+from graphopt.engine import pipeline, recipe, registry
+from graphopt.engine.registry import GraphoptPass, PassResult
 from graphopt.errors import UsageError
-from graphopt.registry import GraphoptPass, PassResult
 
 
 class CorruptWeight(GraphoptPass):

@@ -1,4 +1,4 @@
-"""graphopt.report.json_safe: what the JSON reports (``--report``, diff) are written from."""
+"""graphopt.engine.report.json_safe: what the JSON reports (``--report``, diff) are written from."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from graphopt.report import json_safe
+from graphopt.engine.report import json_safe
 
 
 def test_json_safe():

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from testmodels import make_mlp, tiny_bert_feeds
 
-from graphopt import feeds as feeds_mod
 from graphopt import io, search
+from graphopt.data import feeds as feeds_mod
+from graphopt.data.metrics import compare, parse_budget
+from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError, VerificationError
-from graphopt.metrics import compare, parse_budget
-from graphopt.verify import run_model
 
 
 def _mlp_feeds(n: int = 6, seed: int = 0) -> list[dict[str, np.ndarray]]:

@@ -30,7 +30,7 @@ NAME = "minilm"
 @pytest.fixture(scope="module")
 def models(minilm):
     """(original export, remove-padding model, reference session of the original)."""
-    from graphopt import runtime
+    from graphopt.runtime import session as runtime
 
     src = minilm("dynamo", "sdpa")
     rp = remove_padding_minilm(str(src))

@@ -9,11 +9,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from graphopt import deploy, io, runtime, session_hints
+from graphopt import deploy, io
 from graphopt.bench import bench_thread_counts
+from graphopt.data.feeds import runnable
+from graphopt.engine.pipeline import optimize
 from graphopt.errors import RuntimeSetupError
-from graphopt.feeds import runnable
-from graphopt.pipeline import optimize
+from graphopt.runtime import session as runtime
+from graphopt.runtime import session_hints
 
 
 def _meta(path) -> dict:

@@ -1,4 +1,4 @@
-"""graphopt.shapes: ORT's symbolic shape inference without side effects on the process."""
+"""graphopt.analysis.shapes: ORT's symbolic shape inference without side effects on the process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 from onnx import TensorProto, helper
 
-from graphopt.shapes import symbolic_infer
+from graphopt.analysis.shapes import symbolic_infer
 
 
 def _model(op: str, domain: str = ""):

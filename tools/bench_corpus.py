@@ -30,7 +30,9 @@ sys.path.insert(0, str(REPO / "models"))
 
 import corpus  # noqa: E402
 
-from graphopt import bench, io, pipeline, runtime  # noqa: E402
+from graphopt import bench, io  # noqa: E402
+from graphopt.engine import pipeline  # noqa: E402
+from graphopt.runtime import session as runtime  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

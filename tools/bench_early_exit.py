@@ -88,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from graphopt import bench, metrics, pipeline, runtime
+    from graphopt import bench
+    from graphopt.data import metrics
+    from graphopt.engine import pipeline
+    from graphopt.engine.registry import PassContext
     from graphopt.exporters import text_feeds
-    from graphopt.registry import PassContext
     from graphopt.rewrites.early_exit import EarlyExit
+    from graphopt.runtime import session as runtime
 
     path, tok, held_lines, calib, held = _data(args.workload, args.calib_pairs)
     fused = pipeline.optimize(str(path), passes="cleanup,fuse", verify_level="structure").model

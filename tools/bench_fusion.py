@@ -67,7 +67,7 @@ def _variant(path: Path, kind: str, tmp: Path) -> bytes | str | None:
 
             model, _ = optimize_for_ort(model)
         else:
-            from graphopt import registry
+            from graphopt.engine import registry
 
             registry.create("fuse")(model)
         out = tmp / f"{path.stem}-{kind}.onnx"
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING)
     from graphopt.bench import bench_sessions
-    from graphopt.runtime import make_session
+    from graphopt.runtime.session import make_session
 
     exports = EXPORTS if args.exports == "all" else [tuple(e.split("-")) for e in args.exports.split(",")]
     feeds = _feeds()

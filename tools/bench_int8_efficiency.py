@@ -57,7 +57,7 @@ def profile(path: str, feeds: list[dict[str, np.ndarray]], runs: int = 2) -> dic
     each feed as (node, M, K, N, has_bias) in execution order."""
     import onnxruntime as ort
 
-    from graphopt import runtime
+    from graphopt.runtime import session as runtime
 
     with tempfile.TemporaryDirectory(prefix="int8eff-prof-") as d:
         so = runtime.session_options(threads=1, spinning=False)
@@ -156,8 +156,8 @@ def _pool(h: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def accuracy(path: str, held: list[dict[str, np.ndarray]], ref: list[dict[str, np.ndarray]]) -> dict:
-    from graphopt import runtime
-    from graphopt.metrics import compare
+    from graphopt.data.metrics import compare
+    from graphopt.runtime import session as runtime
 
     sess = runtime.make_session(path, threads=1)
     got = runtime.run(sess, held)
@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     import workload
 
-    from graphopt import io, runtime
+    from graphopt import io
     from graphopt.bench import bench_sessions
+    from graphopt.runtime import session as runtime
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm.source_folder())
     sentences = workload.generate(args.n, seed=args.seed)
@@ -197,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = minilm.build("dynamo", "sdpa")
     paths: dict[str, str] = {}
     if args.build:
-        from graphopt.pipeline import optimize
-        from graphopt.recipe import load
+        from graphopt.engine.pipeline import optimize
+        from graphopt.engine.recipe import load
 
         out = Path(args.build)
         out.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from graphopt.bench import bench_sessions
-    from graphopt.runtime import make_session
+    from graphopt.runtime.session import make_session
 
     sessions = {f: make_session(chain(f), threads=1, spinning=False, level="basic" if f.endswith("@basic") else None)
                 for f in FORMS}

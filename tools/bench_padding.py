@@ -86,7 +86,7 @@ def make_batch(seqs: list[np.ndarray]) -> dict[str, np.ndarray]:
 def build_variants(src: Path, extra_groups: tuple[int, ...] = ()) -> dict[str, object]:
     import onnx_ir as ir
 
-    from graphopt import registry
+    from graphopt.engine import registry
 
     out: dict[str, object] = {"padded": ir.load(src)}
     have_fuse = "fuse" in registry.all_passes()
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    from graphopt.metrics import compare
-    from graphopt.runtime import make_session, run
+    from graphopt.data.metrics import compare
+    from graphopt.runtime.session import make_session, run
 
     src = model_path(args.exporter, args.attn)
     seqs, source = workload(args.batch * args.batches, args.seed)

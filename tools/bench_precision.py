@@ -2,7 +2,7 @@
 """Model size and parity of ``convert-precision`` (fp16, bf16) on MiniLM and the tiny decoders.
 
 For each model: the recipe named (MiniLM: ``default`` then ``convert-precision``, on CPU and for CUDA;
-decoders: ``convert-precision`` alone) through ``graphopt.pipeline.optimize`` with numeric verification;
+decoders: ``convert-precision`` alone) through ``graphopt.engine.pipeline.optimize`` with numeric verification;
 then the saved file's size against the fp32 file, and the outputs against the fp32 export on CPU on
 the same generated feeds (MiniLM: real tokens of a right-padded batch; decoders: logits), run through
 ONNX Runtime on CPU with the precision stand-ins where its CPU provider has no fp16/bf16 kernel
@@ -35,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnx_ir as ir
 
-    from graphopt import feeds as feeds_mod
-    from graphopt import io, pipeline
-    from graphopt.metrics import compare
-    from graphopt.runtime import make_session, run
-    from graphopt.verify import run_model
+    from graphopt import io
+    from graphopt.data import feeds as feeds_mod
+    from graphopt.data.metrics import compare
+    from graphopt.engine import pipeline
+    from graphopt.engine.verify import run_model
+    from graphopt.runtime.session import make_session, run
 
     cases = [("minilm-dynamo-sdpa", "cpu", "cleanup,fuse,remove-padding,convert-precision"),
              ("minilm-dynamo-sdpa", "cuda", "cleanup,fuse,remove-padding,convert-precision"),

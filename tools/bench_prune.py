@@ -52,15 +52,15 @@ def _pooled_cosine(got, ref, feeds) -> float:
 
 
 def _fused(model: str, passes: str = "cleanup,fuse,remove-padding"):
-    from graphopt import pipeline
+    from graphopt.engine import pipeline
 
     res = pipeline.optimize(model, passes=passes, verify_level="structure")
     return res.model
 
 
 def quality(args) -> dict:
-    from graphopt import feeds as feeds_mod
-    from graphopt.metrics import compare, parse_budget
+    from graphopt.data import feeds as feeds_mod
+    from graphopt.data.metrics import compare, parse_budget
     from graphopt.rewrites.prune_heads import PruneHeadsPass, _Run
     from graphopt.rewrites.prune_heads.layers import find_layers
 
@@ -103,10 +103,11 @@ def quality(args) -> dict:
 
 
 def speed(args) -> dict:
-    from graphopt import feeds as feeds_mod
-    from graphopt import pipeline, runtime
     from graphopt.bench import bench_sessions
-    from graphopt.recipe import load as load_recipe
+    from graphopt.data import feeds as feeds_mod
+    from graphopt.engine import pipeline
+    from graphopt.engine.recipe import load as load_recipe
+    from graphopt.runtime import session as runtime
 
     base_recipe, pruned_recipe = ("int8", "prune-int8") if args.recipe == "int8" else (None, None)
     budget = args.budget or None

@@ -55,8 +55,8 @@ def _cosines(got: list[np.ndarray], ref: list[np.ndarray]) -> np.ndarray:
 
 def _bench(paths: dict[str, Path], feeds: list[dict[str, np.ndarray]], rounds: int, clock: str) -> list[dict]:
     """Round-robin over the models (``graphopt.bench``), every held-back batch per turn; median per model."""
-    from graphopt import runtime
     from graphopt.bench import bench_sessions
+    from graphopt.runtime import session as runtime
 
     sessions = {n: runtime.make_session(str(p), threads=1, optimize=True, spinning=False) for n, p in paths.items()}
     results = bench_sessions(sessions, feeds, rounds=rounds, warmup=1, clock=clock)
@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from onnxruntime.transformers.optimizer import optimize_model
 
-    from graphopt import io, runtime
-    from graphopt.metrics import parse_budget
-    from graphopt.registry import PassContext
+    from graphopt import io
+    from graphopt.data.metrics import parse_budget
+    from graphopt.engine.registry import PassContext
     from graphopt.rewrites.quantize import DEFAULT_BUDGET, QuantizePass
+    from graphopt.runtime import session as runtime
 
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-quant-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                        hidden_size=384).save_model_to_file(str(fused))
         fp_name = "fp32 fused (ORT optimizer, torchscript eager)"
     else:
-        from graphopt.pipeline import optimize
+        from graphopt.engine.pipeline import optimize
 
         exporter, attn = args.exporter.split("-")
         res = optimize(minilm.build(exporter, attn), passes="cleanup,fuse", verify_level="structure")
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     packed = None
     if args.packed:
         # the default recipe's output (cleanup, fuse, remove-padding): the fp32 model the `int8` recipe quantizes
-        from graphopt.pipeline import optimize
+        from graphopt.engine.pipeline import optimize
 
         packed = out / "fp32-packed.onnx"
         io.save(optimize(fused, passes="remove-padding", verify_level="structure").model, packed)

@@ -72,13 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     import workload
 
-    from graphopt import feeds as feeds_mod
-    from graphopt import io, pipeline, runtime
-    from graphopt import recipe as recipe_mod
+    from graphopt import io
     from graphopt import search as search_mod
     from graphopt.bench import bench_sessions
-    from graphopt.metrics import compare
-    from graphopt.verify import run_model
+    from graphopt.data import feeds as feeds_mod
+    from graphopt.data.metrics import compare
+    from graphopt.engine import pipeline
+    from graphopt.engine import recipe as recipe_mod
+    from graphopt.engine.verify import run_model
+    from graphopt.runtime import session as runtime
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from graphopt import runtime
+    from graphopt.runtime import session as runtime
 
     variants = [
         ("optimized, batching", args.model, args.max_batch, 1),

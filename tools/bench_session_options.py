@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     import workload
     from workload import token_batches
 
-    from graphopt import io, runtime
+    from graphopt import io
     from graphopt.bench import bench_sessions
-    from graphopt.pipeline import optimize
-    from graphopt.recipe import load
+    from graphopt.engine.pipeline import optimize
+    from graphopt.engine.recipe import load
+    from graphopt.runtime import session as runtime
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

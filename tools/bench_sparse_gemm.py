@@ -21,8 +21,9 @@ import sys
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import custom_ops, runtime
 from graphopt.bench import bench_sessions
+from graphopt.runtime import custom_ops
+from graphopt.runtime import session as runtime
 
 SHAPES = {"minilm": (384, 1536), "minilm-w2": (1536, 384), "bert-base": (768, 3072), "bert-base-w2": (3072, 768)}
 SPARSITIES = (0.5, 0.75, 0.9)

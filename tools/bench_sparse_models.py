@@ -45,10 +45,11 @@ def bert_base(rounds: int, batch: int, seq: int) -> dict:
     import onnx_ir as ir
     import transformers
 
-    from graphopt import pipeline, runtime
     from graphopt.bench import bench_sessions
-    from graphopt.registry import PassContext
+    from graphopt.engine import pipeline
+    from graphopt.engine.registry import PassContext
     from graphopt.rewrites.sparsify import SparsifyPass
+    from graphopt.runtime import session as runtime
 
     _build.offline()
     folder = _build.place_random_model(transformers.AutoModel, transformers.BertConfig(),
@@ -92,12 +93,13 @@ def minilm(rounds: int, n_sent: int, only: list[str] | None = None) -> dict:
     import transformers
     import workload
 
-    from graphopt import pipeline, runtime
     from graphopt.bench import bench_sessions
-    from graphopt.metrics import compare
-    from graphopt.registry import PassContext
+    from graphopt.data.metrics import compare
+    from graphopt.engine import pipeline
+    from graphopt.engine.registry import PassContext
     from graphopt.rewrites.contextual_sparsity import ContextualSparsityPass
     from graphopt.rewrites.sparsify import SparsifyPass
+    from graphopt.runtime import session as runtime
 
     src = minilm_mod.source_folder()
     tok = transformers.AutoTokenizer.from_pretrained(src)
@@ -179,8 +181,9 @@ def budget_check(budget: str, n_sent: int, passes: list[str], overrides: list[st
     import transformers
     import workload
 
-    from graphopt import pipeline, runtime
-    from graphopt.metrics import compare, parse_budget
+    from graphopt.data.metrics import compare, parse_budget
+    from graphopt.engine import pipeline
+    from graphopt.runtime import session as runtime
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_mod.source_folder())
     sentences = workload.generate(n_sent + n_unseen, seed=1)

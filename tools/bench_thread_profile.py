@@ -2,7 +2,7 @@
 """Thread scaling from ORT profiles: measured at a few intra-op thread counts, estimated for more cores.
 
 For each model (the first is the baseline, typically the plain export) one ORT CPU session per thread
-count in ``--threads`` (default 1,2) is opened with ``graphopt.runtime.session_options(threads=N,
+count in ``--threads`` (default 1,2) is opened with ``graphopt.runtime.session.session_options(threads=N,
 spinning=False)`` plus the settings recorded in the model's metadata (as ``graphopt bench``), with
 ORT's profiler on. All sessions run interleaved round-robin (``graphopt.bench.bench_sessions``): one
 warm-up round, then ``--rounds`` rounds, each running every model at every thread count once over all
@@ -170,8 +170,9 @@ def run_profiled(models: Mapping[str, str], feeds: list[dict[str, np.ndarray]], 
     round, then ``rounds``); name -> count -> :func:`parse_profile` plus wall and process CPU ms per round."""
     import onnxruntime as ort
 
-    from graphopt import runtime, session_hints
     from graphopt.bench import bench_sessions, model_settings
+    from graphopt.runtime import session as runtime
+    from graphopt.runtime import session_hints
 
     with tempfile.TemporaryDirectory(prefix="thread-profile-") as d:
         sessions = {}
@@ -317,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write everything here")
     args = ap.parse_args(argv)
 
-    from graphopt import feeds as feeds_mod
     from graphopt import io
     from graphopt.bench import _items, model_settings
+    from graphopt.data import feeds as feeds_mod
 
     counts, est = _counts(args.threads, "--threads"), _counts(args.estimate, "--estimate")
     if len(counts) < 2:

@@ -79,15 +79,15 @@ class Sessions:
 
     def make(self, model, *, parity: bool):
         from graphopt import io
+        from graphopt.engine.verify import runnable
         from graphopt.errors import first_line
-        from graphopt.runtime import make_session, session_options
-        from graphopt.verify import runnable
+        from graphopt.runtime.session import make_session, session_options
 
         if self.dry_run:
             return make_session(runnable(model, "cpu")[0], provider="cpu", optimize=True)
         if not parity:
             sess = make_session(model, provider="cuda", optimize=True)
-        else:  # TF32 off: graphopt.runtime.make_session takes no provider options
+        else:  # TF32 off: graphopt.runtime.session.make_session takes no provider options
             import onnxruntime as ort
 
             data = io.to_proto(model).SerializeToString()
@@ -109,7 +109,7 @@ class Sessions:
 
 def _cuda_pass(name: str, model, **options):
     """Run pass ``name`` on ``model`` as ``optimize --provider cuda`` does (provider in its context)."""
-    from graphopt import registry
+    from graphopt.engine import registry
 
     return registry.create(name, options)(model, registry.PassContext(provider="cuda"))
 
@@ -144,10 +144,10 @@ def parity_feeds(seqs: list[np.ndarray]) -> tuple[list[dict], list[dict], list[s
 def check_fuse(path: Path, label: str, sessions: Sessions, atol: float) -> dict:
     import onnx_ir as ir
 
-    from graphopt.feeds import generate
-    from graphopt.fusion_status import fusion_status
-    from graphopt.metrics import compare
-    from graphopt.runtime import make_session, run
+    from graphopt.analysis.fusion_status import fusion_status
+    from graphopt.data.feeds import generate
+    from graphopt.data.metrics import compare
+    from graphopt.runtime.session import make_session, run
 
     model = ir.load(path)
     feeds = generate(model)
@@ -170,10 +170,10 @@ def check_remove_padding(path: Path, label: str, sessions: Sessions, atol: float
                          timing: dict | None) -> dict:
     import onnx_ir as ir
 
-    from graphopt import pipeline
     from graphopt.bench import bench_sessions
-    from graphopt.metrics import compare
-    from graphopt.runtime import make_session, run
+    from graphopt.data.metrics import compare
+    from graphopt.engine import pipeline
+    from graphopt.runtime.session import make_session, run
 
     t0 = time.perf_counter()
     res = pipeline.optimize(str(path), provider="cuda")
@@ -218,10 +218,10 @@ def check_remove_padding(path: Path, label: str, sessions: Sessions, atol: float
 
 
 def check_quantize(path: Path, label: str, sessions: Sessions, seqs: list[np.ndarray]) -> dict:
-    from graphopt import pipeline, recipe
-    from graphopt.metrics import compare, parse_budget
+    from graphopt.data.metrics import compare, parse_budget
+    from graphopt.engine import pipeline, recipe
     from graphopt.rewrites.quantize import DEFAULT_BUDGET
-    from graphopt.runtime import make_session, run
+    from graphopt.runtime.session import make_session, run
 
     batches, _, _ = parity_feeds(seqs)
     half = max(1, len(batches) // 2)
@@ -251,10 +251,10 @@ def check_quantize(path: Path, label: str, sessions: Sessions, seqs: list[np.nda
 def check_fp16(path: Path, label: str, sessions: Sessions, seqs: list[np.ndarray], rounds: int) -> dict:
     import onnx_ir as ir
 
-    from graphopt import pipeline, recipe
     from graphopt.bench import bench_sessions
-    from graphopt.metrics import compare, parse_budget
-    from graphopt.runtime import make_session, run
+    from graphopt.data.metrics import compare, parse_budget
+    from graphopt.engine import pipeline, recipe
+    from graphopt.runtime.session import make_session, run
 
     batches, feeds, names = parity_feeds(seqs)
     t0 = time.perf_counter()

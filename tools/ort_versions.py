@@ -1,6 +1,6 @@
 """Check graphopt's ONNX Runtime version tables against the released wheels themselves.
 
-``graphopt/ort_compat.py`` says which ORT release first runs each ONNX opset and which first has a CPU kernel
+``graphopt/runtime/ort_compat.py`` says which ORT release first runs each ONNX opset and which first has a CPU kernel
 for each ``com.microsoft`` op.  This script installs every minor release from PyPI that has a wheel for this
 Python (1.15 on, for cp311) into its own folder, and asks each one:
 
@@ -33,7 +33,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from graphopt.ort_compat import CONTRIB_SINCE, IR_SINCE, OPSET_SINCE  # noqa: E402
+from graphopt.runtime.ort_compat import CONTRIB_SINCE, IR_SINCE, OPSET_SINCE  # noqa: E402
 
 #: the first release of each minor series with a cp311 manylinux wheel on PyPI (1.24.0 has none)
 DEFAULT_VERSIONS = [f"1.{m}.0" for m in range(15, 33) if m != 24] + ["1.24.1"]
@@ -127,7 +127,7 @@ def check_model(path: pathlib.Path, versions: list[str], cache: pathlib.Path) ->
     """Print which releases load ``path`` on CPU beside the minimum graphopt states; 1 if they disagree."""
     import onnx_ir as ir
 
-    from graphopt.ort_compat import requirements
+    from graphopt.runtime.ort_compat import requirements
 
     stated = requirements(ir.load(path)).min_version
     loads = []

@@ -53,7 +53,6 @@ def command(
     """
     import json
 
-    from graphopt import feeds as feeds_mod
     from graphopt import io
     from graphopt.bench import (
         SCALE_BY,
@@ -64,6 +63,7 @@ def command(
         scaling,
     )
     from graphopt.cli.console import make_console, table
+    from graphopt.data import feeds as feeds_mod
     from graphopt.errors import UsageError
 
     if rounds < 1:
@@ -75,7 +75,7 @@ def command(
     if scale_by not in SCALE_BY or (scale_by != "threads" and not paired):
         raise UsageError(f"--scale-by must be one of {', '.join(SCALE_BY)}, and instances needs --paired")
     if provider == "cuda":
-        from graphopt.runtime import require_cuda
+        from graphopt.runtime.session import require_cuda
 
         require_cuda()  # before loading models or making feeds
     shapes, values = feed_overrides(input_shape, input_value, calib)

@@ -62,11 +62,11 @@ def command(
         raise UsageError("--input-shape/--input-value need --numeric")
     feeds = None
     if calib is not None:
-        from graphopt.feeds import load_dir
+        from graphopt.data.feeds import load_dir
 
         feeds = load_dir(calib)
     elif shapes or values:  # generated feeds that make A run, with the given shapes and values
-        from graphopt.feeds import runnable
+        from graphopt.data.feeds import runnable
 
         feeds, _ = runnable(io.load(a), shapes=shapes, values=values)
     result = diff_models(a, b, numeric=numeric, feeds=feeds, atol=atol, rtol=rtol)

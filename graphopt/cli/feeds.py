@@ -13,14 +13,14 @@ import typer
 from graphopt.cli.options import Json
 
 #: below these, the half of the feeds that ``optimize --calib`` holds back to check a lossy pass's budget
-#: (``graphopt.feeds.split_feeds``) is too small for the check to mean much
+#: (``graphopt.data.feeds.split_feeds``) is too small for the check to mean much
 MIN_FEEDS = 4
 MIN_HELD_BACK_ITEMS = 64
 
 
 def thin_split_warning(items: int, batch: int) -> str | None:
     """A warning when ``items`` lines in feeds of ``batch`` make too thin a held-back split, else None."""
-    from graphopt.feeds import split_feeds
+    from graphopt.data.feeds import split_feeds
 
     sizes = [min(batch, items - start) for start in range(0, items, batch)]
     calibrate, held = split_feeds(sizes)

@@ -25,8 +25,8 @@ def command(
 
     from rich.markup import escape
 
+    from graphopt.analysis.inspect import inspect_model
     from graphopt.cli.console import make_console, table
-    from graphopt.inspect import inspect_model
 
     info = inspect_model(model, batch=batch, seq=seq)
     if json_:
@@ -59,7 +59,7 @@ def command(
 
 def _print_fusion(c, fu, table) -> None:
     """The fusion status as a small table: fused/unfused counts per kind and what they are."""
-    from graphopt.fusion_status import describe
+    from graphopt.analysis.fusion_status import describe
 
     if not isinstance(fu, dict):
         return

@@ -72,11 +72,12 @@ def command(
     without it (a warning; --strict: exit 3, no output). A lossy pass that fails or cannot meet
     --budget (or its default budget) stops the run: exit 3, no output, unless --keep-going.
     """
-    from graphopt import io, pipeline
-    from graphopt import recipe as recipe_mod
+    from graphopt import io
     from graphopt.cli.console import make_console
+    from graphopt.data.metrics import parse_budget
+    from graphopt.engine import pipeline
+    from graphopt.engine import recipe as recipe_mod
     from graphopt.errors import UsageError, VerificationError
-    from graphopt.metrics import parse_budget
 
     if output is None and not in_place:
         raise UsageError("no output path", hint="give -o OUT.onnx (or --in-place to replace the input)")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from graphopt import runtime
+from graphopt.runtime import session as runtime
 
 Calib = Annotated[
     Path | None,
@@ -42,7 +42,7 @@ InputValue = Annotated[
 
 def feed_overrides(input_shape: list[str] | None, input_value: list[str] | None, calib: Path | None):
     """Parsed ``--input-shape`` / ``--input-value`` ({name: dims}, {name: array}); usage errors name the problem."""
-    from graphopt import feeds
+    from graphopt.data import feeds
     from graphopt.errors import UsageError
 
     shapes, values = feeds.parse_input_shapes(input_shape), feeds.parse_input_values(input_value)

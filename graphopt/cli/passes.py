@@ -11,9 +11,9 @@ def command(json_: Json = False) -> None:
     """List every pass: name, lossless or lossy, one-line summary, options with defaults; then the builtin recipes."""
     import json
 
-    from graphopt import recipe as recipe_mod
-    from graphopt import registry
     from graphopt.cli.console import make_console, table
+    from graphopt.engine import recipe as recipe_mod
+    from graphopt.engine import registry
 
     passes = registry.all_passes()
     default = set(recipe_mod.default().pass_names())

@@ -1,6 +1,6 @@
 """``graphopt verify``: compare two models numerically, optionally against a budget.
 
-A thin wrapper over ``graphopt.verify.compare_models``.
+A thin wrapper over ``graphopt.engine.verify.compare_models``.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ def command(
     """
     import json
 
-    from graphopt import feeds as feeds_mod
     from graphopt.cli.console import make_console, table
+    from graphopt.data import feeds as feeds_mod
+    from graphopt.data.metrics import REL_FLOOR
+    from graphopt.engine.verify import compare_models
     from graphopt.errors import EXIT_VERIFY
-    from graphopt.metrics import REL_FLOOR
-    from graphopt.verify import compare_models
 
     shapes, values = feed_overrides(input_shape, input_value, calib)
     res = compare_models(reference, candidate, calib=calib, budget=budget, atol=atol, rtol=rtol, provider=provider,

@@ -2,7 +2,7 @@
 
 ``diff_models(a, b)`` matches the nodes of B against A, groups the unmatched ones into rewritten
 regions (credited to the pass that created them, with the passes that rebuilt them since, from the
-provenance the pipeline writes on nodes: :mod:`graphopt.provenance`), and
+provenance the pipeline writes on nodes: :mod:`graphopt.engine.provenance`), and
 summarises op-histogram, initializer, IO-signature, parameter, FLOP and subgraph deltas. With
 ``numeric=True`` both models run on the same feeds and every intermediate tensor they share is
 compared, to find the first one that drifts beyond tolerance.
@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import provenance
+from graphopt.analysis.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
 from graphopt.diff import deltas
 from graphopt.diff.matching import Matching, NodeId, Side, match_graphs, pass_of
 from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
 from graphopt.diff.scopes import node_scope
-from graphopt.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
-from graphopt.report import op_histogram, op_key
+from graphopt.engine import provenance
+from graphopt.engine.report import op_histogram, op_key
 
 __all__ = ["SCHEMA_VERSION", "DiffResult", "diff_models"]
 

@@ -14,7 +14,7 @@ Matching (main graph; subgraph bodies are compared by op histogram):
 3. Unmatched values with equal names are paired too: rewriters keep the names of the values they
    replace, so a fused node's output lines up with the end of the subgraph it replaced. A name is
    evidence only where it was kept: a node a graphopt pass created lists the output names that
-   continue the input model (``graphopt.kept``, see :mod:`graphopt.provenance`); its other output
+   continue the input model (``graphopt.kept``, see :mod:`graphopt.engine.provenance`); its other output
    names are new, and equal to an A name only by coincidence (onnx-ir reuses freed ``val_<n>``
    names). Values whose dtypes are known and differ never pair.
 """
@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import onnx_ir as ir
 
-from graphopt import provenance
+from graphopt.engine import provenance
+from graphopt.engine.report import op_key
 from graphopt.opsets import node_domain
-from graphopt.report import op_key
 
 
 class Side(enum.Enum):

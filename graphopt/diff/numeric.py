@@ -3,7 +3,7 @@
 The paired values of the structural match (same name, or outputs of matched nodes, or a rewritten
 region's outputs) are exposed as extra graph outputs on copies of both models; ONNX Runtime runs
 them with graph optimizations off (so what runs is what the graphs say), and each pair is compared
-mask-aware with ``graphopt.metrics.compare``. The *first divergence* is the earliest pair in A's
+mask-aware with ``graphopt.data.metrics.compare``. The *first divergence* is the earliest pair in A's
 topological order whose error exceeds ``atol + rtol*|ref|``; the *path* follows A's data flow from
 it to the nearest graph output and lists the error of every compared tensor on the way.
 """
@@ -55,7 +55,7 @@ def _with_outputs(model: ir.Model, names: Sequence[str]):
 
 
 def _feeds_for(ma: ir.Model, mb: ir.Model, feeds):
-    from graphopt import feeds as feeds_mod
+    from graphopt.data import feeds as feeds_mod
 
     if feeds is None:
         feeds = feeds_mod.runnable(ma)[0]  # generated feeds that make A run
@@ -110,18 +110,18 @@ class _WholeRun:
     """The model in one session with every wanted value as a graph output: one group per feed."""
 
     def __init__(self, proto):
-        from graphopt import runtime
+        from graphopt.runtime import session as runtime
 
         self.sess = runtime.make_session(proto, optimize=False)
 
     def run(self, feed):
-        from graphopt import runtime
+        from graphopt.runtime import session as runtime
 
         yield runtime.run(self.sess, [feed], [o.name for o in self.sess.get_outputs()])[0]
 
 
 def _compare_runs(runs, groups, a_names, feeds, atol, rtol):
-    from graphopt import metrics
+    from graphopt.data import metrics
 
     comparer = metrics.Comparer(a_names, atol=atol, rtol=rtol)
     sets = [{a for a, _ in g} for g in groups]

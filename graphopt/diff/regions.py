@@ -7,7 +7,7 @@ components (e.g. a mask computation shared by every fused attention) form their 
 records the regions it fed in ``shared_by``; A nodes feeding none are grouped among themselves
 (removed).
 
-Credit: each B node carries its provenance chain (:mod:`graphopt.provenance`: the passes that made
+Credit: each B node carries its provenance chain (:mod:`graphopt.engine.provenance`: the passes that made
 and then rebuilt it). The part of the chain A already had (the longest chain of the region's A nodes
 that starts B's) is history; the region credits the first pass of the rest, the one that created the
 construct between A and B, and the summary names the passes that rebuilt it afterwards: "2 nodes
@@ -22,9 +22,9 @@ from collections.abc import Hashable
 
 import onnx_ir as ir
 
-from graphopt import provenance
 from graphopt.diff.matching import Matching, NodeId, Side, a_id, b_id
-from graphopt.report import op_key
+from graphopt.engine import provenance
+from graphopt.engine.report import op_key
 
 
 def plural(n: int, word: str) -> str:

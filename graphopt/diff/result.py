@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from graphopt.report import json_safe
+from graphopt.engine.report import json_safe
 
 #: bump the major number on any incompatible change of the JSON layout
 SCHEMA_VERSION = "1.1"

@@ -156,7 +156,7 @@ class StagedRun:
     def _build(self, s: _Segment, frontier: Mapping[str, Any]) -> None:
         import onnxruntime as ort
 
-        from graphopt import runtime
+        from graphopt.runtime import session as runtime
 
         g = onnx.GraphProto(name="segment")
         g.node.extend(s.nodes)

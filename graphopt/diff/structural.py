@@ -6,6 +6,7 @@ IO and subgraph deltas). This module re-exports their public names for existing 
 
 from __future__ import annotations
 
+from graphopt.analysis.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
 from graphopt.diff.deltas import initializer_delta, initializer_stats, io_delta, subgraph_delta
 from graphopt.diff.matching import (
     Matching,
@@ -17,8 +18,7 @@ from graphopt.diff.matching import (
     tensor_hash,
 )
 from graphopt.diff.regions import Region, find_regions
-from graphopt.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
-from graphopt.report import op_histogram, op_key
+from graphopt.engine.report import op_histogram, op_key
 
 __all__ = [
     "FLOP_BATCH", "FLOP_SEQ", "Matching", "NodeId", "Region", "Side", "estimate_flops", "find_regions",

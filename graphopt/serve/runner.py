@@ -62,7 +62,8 @@ class Runner:
     def __init__(self, model_path: str | os.PathLike, *, name: str, provider: str = "cpu",
                  threads: int | None = None, max_length: int = DEFAULT_MAX_LENGTH, version: str = "1",
                  instances: int = 1):
-        from graphopt import io, runtime
+        from graphopt import io
+        from graphopt.runtime import session as runtime
 
         if instances < 1:
             raise UsageError(f"instances must be at least 1, got {instances}")

@@ -52,14 +52,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import standins
+from graphopt.data.feeds import calibration_feeds
+from graphopt.data.metrics import Budget, Comparison, compare, find_mask, parse_budget
+from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
-from graphopt.feeds import calibration_feeds
-from graphopt.metrics import Budget, BudgetTerm, Comparison, compare, find_mask, parse_budget
-from graphopt.registry import GraphoptPass, PassContext, PassResult, register
+from graphopt.rewrites.common.budget import share
 from graphopt.rewrites.prune_heads import layers as layers_mod
 from graphopt.rewrites.prune_heads import probe as probe_mod
 from graphopt.rewrites.prune_heads.layers import Layer, Refusal
+from graphopt.runtime import standins
 
 logger = logging.getLogger(__name__)
 
@@ -117,19 +118,6 @@ class PruneHeadsPass(GraphoptPass):
             notes.append(fed)
         run = _Run(self, model, layers, budget, calib, held, notes)
         return run.go()
-
-
-def share(budget: Budget, s: float) -> Budget:
-    """``budget`` with only a share ``s`` of its slack: ``m>=v`` (v <= 1) -> ``m>=1-s(1-v)``, ``m<=v`` -> ``m<=s v``."""
-    terms = []
-    for t in budget.terms:
-        v = t.value
-        if t.op in (">=", ">") and v <= 1.0:
-            v = 1.0 - s * (1.0 - v)
-        elif t.op in ("<=", "<"):
-            v = s * v
-        terms.append(BudgetTerm(t.metric, t.op, v))
-    return Budget(tuple(terms))
 
 
 def _loss(c: Comparison) -> float:

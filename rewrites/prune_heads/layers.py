@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.contrib import attention_attributes, attention_inputs, is_attention
+from graphopt.runtime.contrib import attention_attributes, attention_inputs, is_attention
 
 #: fused attention ops whose heads this pass can slice
 OPS = ("Attention", "MultiHeadAttention", "PackedMultiHeadAttention")

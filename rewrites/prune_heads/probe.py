@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import runtime
+from graphopt.runtime import session as runtime
 
 PREFIX = "prune_heads"
 

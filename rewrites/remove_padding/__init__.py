@@ -31,7 +31,7 @@ where in the row the keys are. The op masks by sequence lengths only, so it is u
 attention op's mask is the attention mask input itself (through Cast/Identity) and there is no
 attention bias; otherwise that op keeps the CPU formulation (length groups), with the reason in
 the result's ``notes``. ONNX Runtime has no CPU kernel for the op: the pipeline verifies such a model on
-CPU through a standard-op stand-in (``graphopt/standins.py``), and ``tools/cuda_checks.py`` checks
+CPU through a standard-op stand-in (``graphopt/runtime/standins.py``), and ``tools/cuda_checks.py`` checks
 the CUDA kernel on a GPU. ``packed_attention=False`` keeps the CPU formulation on CUDA too.
 ORT's CUDA kernel takes float and float16. In float32 its fused kernels (TensorRT, flash) are off
 and memory-efficient attention starts at ``L >= 256``, so below that it runs the unfused kernel,
@@ -76,11 +76,11 @@ import logging
 
 import onnx_ir as ir
 
-from graphopt import ort_compat
+from graphopt.data.metrics import MASK_NAMES
+from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError, first_line
-from graphopt.metrics import MASK_NAMES
 from graphopt.opsets import MS_DOMAIN, default_opset
-from graphopt.registry import GraphoptPass, PassContext, PassResult, register
+from graphopt.runtime import ort_compat
 
 from .emit import rewrite
 from .plan import AttentionStrategy, Refusal, make_plan

@@ -8,7 +8,7 @@ MultiHeadAttention on the unpacked Q/K/V. Graph outputs are unpacked with zeros 
 or returned as real-token rows.
 
 Every node that re-emits a planned node (its twin, the packed attention and its projections, the
-embedding Gathers and norm) inherits that node's provenance (``graphopt.provenance.inherit``), so a
+embedding Gathers and norm) inherits that node's provenance (``graphopt.engine.provenance.inherit``), so a
 fused op keeps the pass that made it: ``fuse → remove-padding``.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from graphopt import provenance
-from graphopt.contrib import (
+from graphopt.engine import provenance
+from graphopt.runtime.contrib import (
     MS_DOMAIN,
     attention_attributes,
     attention_input_list,

@@ -13,8 +13,8 @@ import enum
 
 import onnx_ir as ir
 
-from graphopt.contrib import attention_attributes, attention_inputs, embed_inputs, is_attention
 from graphopt.opsets import MS_DOMAIN, node_domain
+from graphopt.runtime.contrib import attention_attributes, attention_inputs, embed_inputs, is_attention
 
 from .index import Lead
 from .probe import TOKEN_DIMS, Dim, DimLabels

@@ -57,7 +57,7 @@ def probe_labels(model: ir.Model, mask: ir.Value) -> DimLabels:
 
     Raises whatever ONNX Runtime raises when the model cannot run (the caller refuses).
     """
-    from graphopt.runtime import make_session
+    from graphopt.runtime.session import make_session
 
     graph = model.graph
     mask_dims = list(mask.shape.dims) if mask.shape is not None else []

@@ -1,0 +1,1 @@
+"""Read-only model analysis: inspect, FLOPs, fusion status, symbolic shapes."""

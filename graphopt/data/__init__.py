@@ -1,0 +1,1 @@
+"""Feeds (folders, generation, probing), metrics and budgets, reference output storage."""

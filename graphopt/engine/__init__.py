@@ -1,0 +1,1 @@
+"""The loop: pipeline, pass registry, recipes, verification, report, provenance."""

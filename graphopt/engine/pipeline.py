@@ -1,0 +1,291 @@
+"""The pipeline: run a recipe's passes in order, verify after each, keep the last good model.
+
+For every step: clone the last good model, run the pass on the clone with a read-only
+:class:`~graphopt.engine.registry.PassContext`, read what it reports from its
+:class:`~graphopt.engine.registry.PassResult`, record the provenance of the nodes it created
+(:mod:`graphopt.engine.provenance`), verify (structure always unless ``verify='off'``; numerics against the previous model's outputs for lossless
+passes, against the input model's outputs under the budget for lossy ones).
+
+A failed pass is rolled back and recorded. After a lossless pass the recipe goes on without it (a
+warning; ``strict`` stops the run and fails it instead); after a lossy pass the run stops and fails
+unless ``keep_going``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt import io, memory
+from graphopt.data import feeds as feeds_mod
+from graphopt.data.metrics import Budget, parse_budget
+from graphopt.engine import provenance, registry
+from graphopt.engine import recipe as recipe_mod
+from graphopt.engine.report import PassRecord, Report, count_nodes, op_delta, op_histogram
+from graphopt.engine.verify import check_level, check_structure, run_model, run_session, verify
+from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
+from graphopt.runtime import session_hints, standins
+from graphopt.runtime.session import PROVIDERS, make_session
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Result:
+    """The optimized model (the last good one) and the report."""
+
+    model: ir.Model
+    report: Report
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+
+def _slice_outputs(outs, sliced: Mapping[str, tuple[str, int, int]]):
+    """Reference outputs under a pass's explicit output-contract change (``PassResult.sliced_outputs``)."""
+    if not sliced or outs is None:
+        return outs
+    res = []
+    for o in outs:
+        o = dict(o)
+        for new, (old, axis, pos) in sliced.items():
+            a = np.asarray(o.pop(old))
+            o[new] = np.take(a, [pos], axis=axis)
+        res.append(o)
+    return res
+
+
+def _node_ids(model: ir.Model) -> provenance.Snapshot:
+    """The nodes before a pass (``id(node) in`` it), for :func:`_tag_new_nodes`."""
+    return provenance.snapshot(model)
+
+
+def _tag_new_nodes(model: ir.Model, before: provenance.Snapshot, pass_name: str) -> int:
+    """Write the provenance (pass, chain, kept names) of the nodes the pass created; see graphopt.engine.provenance."""
+    return provenance.record(model, before, pass_name)
+
+
+def optimize(
+    model: ir.Model | str | os.PathLike,
+    recipe: recipe_mod.Recipe | None = None,
+    *,
+    passes: str | Sequence[str] | None = None,
+    overrides: Sequence[str] = (),
+    feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
+    calib: str | os.PathLike | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    input_values: Mapping[str, np.ndarray] | None = None,
+    budget: Budget | str | Sequence[str] | None = None,
+    provider: str = "cpu",
+    verify_level: str = "numeric",
+    keep_going: bool = False,
+    strict: bool = False,
+    debug_dir: str | os.PathLike | None = None,
+    explain: bool = False,
+    on_step: Callable[[str, int, int], None] | None = None,
+) -> Result:
+    """Run ``recipe`` (default: the builtin default recipe, or ``passes``) on ``model``.
+
+    Returns the last good model and the report; never raises for a pass that fails verification
+    (the report says; ``Result.ok`` is False when a lossy pass failed, or any pass under ``strict``).
+    Raises GraphoptError for bad usage or input. A lossy pass is verified against ``budget``, or its
+    own ``default_budget`` when none is given; one that cannot meet it (and so kept the model as it
+    was) fails the run too, unless ``keep_going`` (then the last good model is kept and the report
+    says so).
+    """
+    t_start = time.perf_counter()
+    check_level(verify_level)
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r}", hint="use " + " or ".join(PROVIDERS))
+    if provider == "cuda":
+        from graphopt.runtime.session import cuda_available
+
+        ok, why = cuda_available()
+        logger.warning("passes target CUDA; verification runs on CPU%s", "" if ok else f" (no CUDA here: {why})")
+    if not isinstance(budget, Budget):
+        budget = parse_budget(budget)
+    if recipe is None:
+        recipe = recipe_mod.from_pass_list(passes) if passes else recipe_mod.default(provider)
+    if overrides:
+        recipe.apply_overrides(overrides)
+    instances = recipe.build()
+
+    src = ""
+    if not isinstance(model, ir.Model):
+        src = str(model)
+        model = io.load(model)
+
+    report = Report(input=src, recipe=recipe.name, verify=verify_level, provider=provider, budget=str(budget))
+    report.nodes_before = count_nodes(model)
+    report.ops_before = dict(op_histogram(model))
+
+    # feeds: calibration folder, given feeds, or generated from the signature (confirmed by running
+    # the input model); when no generated feed runs it, numerics go unverified and structure is checked
+    shapes, values = dict(input_shapes or {}), dict(input_values or {})
+    feeds_mod.check_overrides(model, shapes, values)
+    if calib is not None:
+        all_feeds = feeds_mod.load_dir(calib)
+        feeds_mod.check_against(model, all_feeds)
+    elif feeds is not None:
+        all_feeds = [dict(f) for f in feeds]
+    else:
+        all_feeds = None
+    report.numerics = "verified" if verify_level == "numeric" else f"not checked (--verify {verify_level})"
+
+    reference = None
+    if verify_level != "off":
+        with io.materialize(model) as proto:
+            # one serialization for the checker and the reference session
+            data = proto.SerializeToString() if not isinstance(proto, str) else None
+            check_structure(proto, where=f"input model {src or ''}".strip(), serialized=data)
+            if verify_level == "numeric":
+                try:
+                    if all_feeds is not None:
+                        reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
+                    else:
+                        sess = make_session(data if data is not None else proto, provider="cpu", optimize=False)
+                        try:
+                            all_feeds, reference = feeds_mod.runnable(
+                                model, run=lambda fs: run_session(sess, fs), shapes=shapes, values=values)
+                        finally:
+                            # the reference outputs are kept (spilled past a memory budget), the session
+                            # is not: the candidates' sessions are built one after the other without it
+                            del sess
+                except feeds_mod.NoRunnableFeeds as e:
+                    logger.warning("numerics unverified: %s; verifying structure only", e.reason)
+                    report.numerics = f"unverified: {e.reason}"
+                    verify_level = report.verify = "structure"
+                    all_feeds = []
+                except RuntimeSetupError as e:
+                    given = " on the given feeds" if all_feeds is not None else ""
+                    raise VerificationError(
+                        f"cannot verify numerically: {e.message}",
+                        hint=f"the input model does not run in ONNX Runtime{given}; use --verify structure or off",
+                    ) from None
+    memory.trim()  # the reference session is gone: give its memory back before the passes run
+    if all_feeds is None:
+        all_feeds = []
+    calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
+    held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
+    report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
+
+    good = model
+    prev_out = reference
+    for i, (step, p) in enumerate(zip(recipe.steps, instances)):
+        if on_step:
+            on_step(step.pass_name, i, len(instances))
+        rec = PassRecord(name=p.name, options=p.options_in_use(), exact=p.exact)
+        rec.nodes_before = count_nodes(good)
+        ops_before = op_histogram(good)
+        step_budget = budget if (budget or p.exact) else parse_budget(p.default_budget)
+        ctx = registry.PassContext(
+            provider=provider,
+            feeds=check_feeds,
+            calib_feeds=calib_feeds,
+            budget=step_budget,
+            explain=explain,
+        )
+        work = good.clone()
+        before_ids = _node_ids(work)
+        t0 = time.perf_counter()
+        result: registry.PassResult | None = None
+        try:
+            result = p(work, ctx)
+            rec.modified = bool(result.modified)
+        except GraphoptError as e:
+            rec.status, rec.error = "error", e.message
+        except Exception as e:  # a bug or an unexpected graph: report it, keep the last good model
+            logger.debug("pass %s raised", p.name, exc_info=True)
+            rec.status, rec.error = "error", f"{type(e).__name__}: {e}"
+        candidate = result.model if result is not None else None
+        rec.seconds = time.perf_counter() - t0
+        if result is not None:
+            rec.notes = list(result.notes)
+            rec.rule_counts = dict(result.rule_counts)
+        if candidate is not None and rec.modified:
+            if candidate is work:
+                _tag_new_nodes(candidate, before_ids, p.name)
+            tv = time.perf_counter()
+            sliced = result.sliced_outputs if result is not None else {}
+            step_prev = _slice_outputs(prev_out, sliced)
+            if p.exact:
+                verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=step_prev,
+                                 atol=p.atol, rtol=p.rtol, provider="cpu", where=f"after pass {p.name!r}")
+            else:
+                # the budget is confirmed on the feeds held back from calibration
+                verdict = verify(candidate, level=verify_level, feeds=check_feeds,
+                                 reference=None if reference is None else _slice_outputs(reference, sliced)[held_from:],
+                                 budget=step_budget, provider="cpu", where=f"after pass {p.name!r}")
+                if verdict.ok and verdict.outputs is not None and held_from:
+                    verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
+            memory.trim()
+            rec.verification = {"level": verify_level, "seconds": round(time.perf_counter() - tv, 3),
+                                **verdict.numbers()}
+            if verdict.stand_ins:  # CUDA-only ops ran as standard-op stand-ins on CPU
+                rec.verification["cpu_stand_ins"] = list(verdict.stand_ins)
+                rec.notes.append(standins.note(verdict.stand_ins))
+            if verdict.ok:
+                good = candidate
+                prev_out, reference = step_prev, _slice_outputs(reference, sliced)
+                if verdict.outputs is not None:
+                    prev_out = verdict.outputs
+            else:
+                rec.status = "rolled-back"
+                rec.verification["reason"] = verdict.reason
+                rec.error = f"verification failed: {verdict.reason}"
+                if debug_dir is not None:
+                    _dump_pair(Path(debug_dir), i, p.name, good, candidate)
+        elif candidate is not None:
+            rec.verification = {"level": "skipped (unchanged)"}
+        if result is not None and not p.exact and result.budget_met is False and rec.status == "ok":
+            rec.status = "budget-not-met"
+            rec.error = f"budget {step_budget} not met by any model {p.name!r} could make"
+        if not p.exact:
+            rec.verification["budget"] = str(step_budget)
+        elif debug_dir is not None:
+            _dump_pair(Path(debug_dir), i, p.name, good, None)
+        rec.nodes_after = count_nodes(good) if rec.status == "ok" else rec.nodes_before
+        if rec.status == "ok":
+            rec.op_delta = op_delta(ops_before, op_histogram(good))
+        report.passes.append(rec)
+        if rec.status != "ok":
+            blocking = strict or not (p.exact or keep_going)
+            if p.exact and not strict:
+                rec.notes.append(f"rolled back: the recipe went on without {p.name!r} (--strict fails the run instead)")
+            elif keep_going and not strict:
+                rec.notes.append(f"--keep-going: the model is kept as it was before {p.name!r}")
+            logger.warning("pass %s %s: %s", p.name, rec.status, rec.error)
+            if blocking:
+                report.ok = False
+                break
+
+    # what the model needs from its ORT session to run fast (graphopt.runtime.session_hints), in its metadata
+    session_hints.record(good)
+    report.nodes_after = count_nodes(good)
+    report.ops_after = dict(op_histogram(good))
+    if reference is not None and prev_out is not None and prev_out is not reference:
+        from graphopt.data.metrics import compare
+
+        report.final = compare(prev_out, reference, all_feeds).summary()
+    report.seconds = time.perf_counter() - t_start
+    return Result(good, report)
+
+
+def _dump_pair(folder: Path, index: int, name: str, before: ir.Model, after: ir.Model | None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    base = folder / f"{index:02d}-{name}"
+    try:
+        io.save(before, f"{base}.before.onnx")
+        if after is not None:
+            io.save(after, f"{base}.after.onnx")
+        logger.warning("wrote %s.before.onnx / .after.onnx", base)
+    except GraphoptError as e:
+        logger.warning("could not write the debug pair for %s: %s", name, e.message)

@@ -1,0 +1,1 @@
+"""What several passes share: FFN discovery, activation statistics, budget arithmetic."""

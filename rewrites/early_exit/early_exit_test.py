@@ -1,0 +1,359 @@
+"""Tests of ``early-exit``: a tiny hand-built post-LN encoder for the exactness cases, the MiniLM
+sentiment classifier (calibrated, through the pipeline) and MiniLM embeddings (refusal) as slow cases."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+import pytest
+
+from graphopt.data import metrics
+from graphopt.engine.registry import PassContext
+from graphopt.rewrites.early_exit import EarlyExit, agreement_lower_bound, find_layers, pool_features
+from graphopt.runtime import session as runtime
+
+LAYERS, HIDDEN, CLASSES, VOCAB = 3, 16, 3, 40
+
+
+def _tiny_encoder(*, seed: int = 0, classifier: bool = True) -> ir.Model:
+    """ids, mask [batch, seq] -> embeddings + LN -> 3 post-LN layers (1-head attention, ReLU FFN) ->
+    first-token Gemm -> logits [batch, 3] (or the last hidden state [batch, seq, 16])."""
+    rng = np.random.default_rng(seed)
+    batch, seq = ir.SymbolicDim("batch"), ir.SymbolicDim("sequence")
+    ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([batch, seq]))
+    mask = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([batch, seq]))
+    tape = ir.tape.Tape()
+
+    count = iter(range(1000))
+
+    def w(*shape, scale=0.5):
+        return tape.initializer(ir.tensor(rng.normal(0, scale, shape).astype(np.float32), name=f"w{next(count)}"))
+
+    def ln(x):
+        return tape.op("LayerNormalization", [x, w(HIDDEN, scale=0.1), w(HIDDEN, scale=0.1)], {"axis": -1})
+
+    h = ln(tape.op("Gather", [w(VOCAB, HIDDEN, scale=1.0), ids]))
+    neg = tape.initializer(ir.tensor(np.array(-1e4, np.float32), name="neg"))
+    one = tape.initializer(ir.tensor(np.array(1.0, np.float32), name="one"))
+    axes = tape.initializer(ir.tensor(np.array([1], np.int64), name="axes1"))
+    bias = tape.op("Unsqueeze", [tape.op("Mul", [tape.op("Sub", [one, tape.op("Cast", [mask], {"to": ir.DataType.FLOAT})]),
+                                               neg]), axes])
+    for _ in range(LAYERS):
+        q, k, v = (tape.op("MatMul", [h, w(HIDDEN, HIDDEN)]) for _ in range(3))
+        s = tape.op("Add", [tape.op("MatMul", [q, tape.op("Transpose", [k], {"perm": [0, 2, 1]})]), bias])
+        ctx = tape.op("MatMul", [tape.op("Softmax", [s], {"axis": -1}), v])
+        h1 = ln(tape.op("Add", [tape.op("MatMul", [ctx, w(HIDDEN, HIDDEN)]), h]))
+        f = tape.op("MatMul", [tape.op("Relu", [tape.op("MatMul", [h1, w(HIDDEN, 32)])]), w(32, HIDDEN)])
+        h = ln(tape.op("Add", [f, h1]))
+    if classifier:
+        zero = tape.initializer(ir.tensor(np.array(0, np.int64), name="zero"))
+        out = tape.op("Gemm", [tape.op("Gather", [h, zero], {"axis": 1}), w(HIDDEN, CLASSES), w(CLASSES)])
+        out.name = "logits"
+    else:
+        out = tape.op("Identity", [h])
+        out.name = "last_hidden_state"
+    graph = ir.Graph([ids, mask], [out], nodes=tape.nodes, initializers=tape.initializers, opset_imports={"": 20})
+    model = ir.Model(graph, ir_version=10)
+    common_passes.ShapeInferencePass()(model)
+    common_passes.NameFixPass()(model)
+    return model
+
+
+def _feeds(n: int, batch: int = 8, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        seq = int(rng.integers(4, 9))
+        ids = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
+        mask = np.ones((batch, seq), np.int64)
+        for r in range(batch):
+            mask[r, int(rng.integers(2, seq + 1)) :] = 0
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _run(model: ir.Model, feeds, outputs=None):
+    sess = runtime.make_session(model, optimize=False)
+    return runtime.run(sess, feeds, outputs)
+
+
+def _hidden(model: ir.Model, layer: int, feeds) -> list[np.ndarray]:
+    """The original model's layer output ``layer`` (1-based) on each feed."""
+    clone = ir.from_proto(ir.to_proto(model))
+    h = find_layers(clone.graph)[0][layer - 1]
+    clone.graph.outputs.append(h)
+    return [r[h.name] for r in _run(clone, feeds, [h.name])]
+
+
+def _head_logits(rewritten: ir.Model, layer: int, h: np.ndarray, mask: np.ndarray, pool: str) -> np.ndarray:
+    inits = rewritten.graph.initializers
+    x = pool_features(h, mask, pool)
+    i = 0
+    while f"early_exit/L{layer}/head_w{i}" in inits:
+        w = inits[f"early_exit/L{layer}/head_w{i}"].const_value.numpy()
+        b = inits[f"early_exit/L{layer}/head_b{i}"].const_value.numpy()
+        x = x @ w + b
+        if f"early_exit/L{layer}/head_w{i + 1}" in inits:
+            x = np.tanh(x)
+        i += 1
+    assert i >= 1, "no exit head initializers"
+    return x
+
+
+def _apply(model: ir.Model, calib, **options):
+    return EarlyExit(**options)(model, PassContext(calib_feeds=calib))
+
+
+def test_finds_one_boundary_per_layer():
+    layers, why = find_layers(_tiny_encoder().graph)
+    assert why == "" and len(layers) == LAYERS
+    assert all(v.producer().op_type == "LayerNormalization" for v in layers)
+
+
+@pytest.mark.parametrize("mode", ["batch", "row"])
+@pytest.mark.parametrize("criterion", ["maxprob", "entropy"])
+def test_never_exit_equals_original_exactly(mode, criterion):
+    model, calib, feeds = _tiny_encoder(), _feeds(6), _feeds(3, seed=7)
+    ref = _run(model, feeds)
+    result = _apply(model, calib, mode=mode, criterion=criterion, threshold=1.5, layers="1,2", exit_output="exit_layer")
+    assert result.modified and result.rule_counts == {"exit": 2, "If": 2}
+    assert sum(n.op_type == "If" for n in model.graph) == 1  # nested: the second If is inside the first
+    got = _run(model, feeds)
+    for g, r in zip(got, ref):
+        assert np.array_equal(g["logits"], r["logits"])
+        assert (g["exit_layer"] == LAYERS).all()
+
+
+@pytest.mark.parametrize("mode", ["batch", "row"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_always_exit_at_layer_k_equals_its_head(mode, k):
+    base = _tiny_encoder()
+    model, calib, feeds = _tiny_encoder(), _feeds(6), _feeds(3, seed=7)
+    result = _apply(model, calib, mode=mode, threshold=0.0, layers=str(k), head="mlp", pool="cls+mean",
+                    exit_output="exit_layer")
+    assert result.modified
+    got = _run(model, feeds)
+    for g, h, f in zip(got, _hidden(base, k, feeds), feeds):
+        want = _head_logits(model, k, h, f["attention_mask"], "cls+mean")
+        np.testing.assert_allclose(g["logits"], want, rtol=1e-4, atol=1e-4)
+        assert (g["exit_layer"] == k).all()
+
+
+def test_row_mode_returns_rows_in_their_original_order():
+    base, model = _tiny_encoder(), _tiny_encoder()
+    calib, feeds = _feeds(6), _feeds(4, batch=16, seed=9)
+    probe = _tiny_encoder()
+    _apply(probe, calib, layers="1", threshold=0.0, head="linear", pool="cls")
+    h1 = np.concatenate(_hidden(base, 1, feeds)[:1])
+    inv_t = probe.graph.initializers["early_exit/L1/inv_temperature"].const_value.numpy()
+    scores = metrics_softmax_max(inv_t * _head_logits(probe, 1, h1, feeds[0]["attention_mask"], "cls"))
+    threshold = float(np.median(scores))  # about half the rows of the first feed leave at layer 1
+    result = _apply(model, calib, mode="row", layers="1", threshold=threshold, head="linear", pool="cls",
+                    criterion="maxprob", exit_output="exit_layer")
+    assert result.modified
+    ref = _run(base, feeds)
+    got = _run(model, feeds)
+    mixed = 0
+    for g, r, h, f in zip(got, ref, _hidden(base, 1, feeds), feeds):
+        exited = g["exit_layer"] == 1
+        assert set(np.unique(g["exit_layer"])) <= {1, LAYERS}
+        mixed += int(exited.any() and not exited.all())
+        head = _head_logits(model, 1, h, f["attention_mask"], "cls")
+        np.testing.assert_allclose(g["logits"][exited], head[exited], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(g["logits"][~exited], r["logits"][~exited], rtol=1e-5, atol=1e-5)
+    assert mixed >= 2, "the test needs feeds where some rows exit and others go deeper"
+
+
+def metrics_softmax_max(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max(-1, keepdims=True))
+    return (z / z.sum(-1, keepdims=True)).max(-1)
+
+
+def test_patience_never_and_always():
+    model, calib, feeds = _tiny_encoder(), _feeds(6), _feeds(2, seed=7)
+    ref = _run(model, feeds)
+    result = _apply(model, calib, criterion="patience", threshold=5, layers="1,2", exit_output="exit_layer")
+    assert result.modified
+    for g, r in zip(_run(model, feeds), ref):
+        assert np.array_equal(g["logits"], r["logits"])
+    model = _tiny_encoder()
+    _apply(model, calib, criterion="patience", threshold=1, layers="2", exit_output="exit_layer", mode="row")
+    assert all((g["exit_layer"] == 2).all() for g in _run(model, feeds))
+
+
+def test_refuses_without_layers():
+    tape = ir.tape.Tape()
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([ir.SymbolicDim("batch"), 4]))
+    y = tape.op("MatMul", [x, tape.initializer(ir.tensor(np.ones((4, 2), np.float32), name="w"))])
+    y.name = "y"
+    model = ir.Model(ir.Graph([x], [y], nodes=tape.nodes, initializers=tape.initializers, opset_imports={"": 20}),
+                     ir_version=10)
+    result = _apply(model, [{"x": np.ones((4, 4), np.float32)}])
+    assert not result.modified and "no layer boundaries" in result.notes[0]
+    assert [n.op_type for n in model.graph] == ["MatMul"]
+
+
+def test_refuses_embedding_output_with_fidelity_table():
+    model = _tiny_encoder(classifier=False)
+    before = [n.op_type for n in model.graph]
+    result = EarlyExit()(model, PassContext(calib_feeds=_feeds(6), budget=metrics.parse_budget("cosine>=0.99,max_abs<=0")))
+    assert not result.modified and result.budget_met is False
+    assert "not class logits" in result.notes[0]
+    assert "layer 1: cosine" in result.notes[0] and "layer 2: cosine" in result.notes[0]
+    assert [n.op_type for n in model.graph] == before
+
+
+def test_after_quantize_the_quantized_layers_move_into_the_branches():
+    from graphopt.engine import registry
+
+    model = _tiny_encoder()
+    q = registry.builtin().create("quantize", {"mode": "dynamic"})(
+        model, PassContext(calib_feeds=_feeds(4), feeds=_feeds(2, seed=3), budget=metrics.parse_budget("top1>=0.5")))
+    assert q.modified, q.notes
+    feeds = _feeds(2, seed=7)
+    ref = _run(model, feeds)
+    result = _apply(model, _feeds(6), threshold=1.5, mode="row", layers="1")
+    assert result.modified
+    [branch] = [n for n in model.graph if n.op_type == "If"]
+    inside = [n.op_type for n in branch.attributes["else_branch"].as_graph()]
+    assert inside.count("DynamicQuantizeMatMul") >= 2 * 6  # layers 2 and 3
+    for g, r in zip(_run(model, feeds), ref):
+        assert np.array_equal(g["logits"], r["logits"])
+
+
+def test_remove_padding_either_way():
+    """Packed tokens have no batch axis to gate: early-exit refuses them; remove-padding refuses If graphs."""
+    from graphopt.engine import registry
+
+    packed = _tiny_encoder(classifier=False)  # remove-padding refuses the classifier's first-token Gather
+    rp = registry.builtin().create("remove-padding")(packed, PassContext(calib_feeds=_feeds(2)))
+    assert rp.modified, rp.notes
+    result = _apply(packed, _feeds(6))
+    assert not result.modified and "packed by remove-padding" in result.notes[0]
+    model = _tiny_encoder()
+    assert _apply(model, _feeds(6), threshold=0.5).modified
+    rp = registry.builtin().create("remove-padding")(model, PassContext(calib_feeds=_feeds(2)))
+    assert not rp.modified and "subgraphs" in " ".join(rp.notes)
+
+
+def test_options_are_checked():
+    from graphopt.errors import UsageError
+
+    for bad in ({"mode": "rows"}, {"criterion": "margin"}, {"layers": "a"}, {"layers": "0"}, {"head": "tree"},
+                {"confidence": 1.0}, {"confidence": -0.1}):
+        with pytest.raises(UsageError):
+            EarlyExit(**bad)
+    model = _tiny_encoder()
+    result = _apply(model, _feeds(6), layers=str(LAYERS), threshold=0.5)
+    assert not result.modified and "exits must be after layers" in result.notes[0]
+
+
+def test_agreement_lower_bound_is_clopper_pearson():
+    # 0 disagreements of n: the exact one-sided bound is (1 - confidence) ** (1 / n)
+    for n in (50, 200, 1000):
+        assert agreement_lower_bound(n, n, 0.95) == pytest.approx(0.05 ** (1 / n), rel=1e-9)
+    assert agreement_lower_bound(197, 200, 0.0) == pytest.approx(0.985)  # confidence 0: the plain rate
+    # 99% agreement on 200 rows does not show 99% at 95% confidence; on 5000 rows it shows 98.7%
+    assert agreement_lower_bound(198, 200, 0.95) < 0.98
+    assert 0.985 < agreement_lower_bound(4950, 5000, 0.95) < 0.99
+    assert agreement_lower_bound(0, 10, 0.95) == 0.0 and agreement_lower_bound(0, 0, 0.95) == 0.0
+    # a higher confidence asks for more: the bound falls
+    assert agreement_lower_bound(590, 600, 0.99) < agreement_lower_bound(590, 600, 0.9) < 590 / 600
+
+
+def test_margin_picks_a_stricter_threshold():
+    """The threshold is the cheapest whose tune lower bound meets the budget: with a margin, rows that a
+    plain tune agreement would let exit stay on; confidence 0 reproduces the plain choice."""
+    from graphopt.rewrites.early_exit import _Run
+
+    rng = np.random.default_rng(0)
+    rows, n_layers = 400, 3
+    labels = rng.integers(0, 3, rows)
+    scores = rng.uniform(0, 1, (1, rows))
+    # the exit is wrong on 1% of rows, all of them with confidence in [0.5, 0.6)
+    preds = labels[None].copy()
+    wrong = np.flatnonzero((scores[0] >= 0.5) & (scores[0] < 0.6))[: rows // 100]
+    preds[0, wrong] = (labels[wrong] + 1) % 3
+    idx = np.arange(rows)
+    layer_of = np.array([1, n_layers])
+
+    def pick(confidence):
+        run = _Run(EarlyExit(confidence=confidence), None, None, None)
+        return run._calibrate(preds, scores, labels, layer_of, 0.99, idx, idx, n_layers)
+
+    plain, margin = pick(0.0), pick(0.95)
+    assert plain is not None and margin is not None
+    assert plain < 0.5 and margin > scores[0, wrong].max()  # plain lets the erring rows exit; the bound does not
+    ex = scores[0] >= margin
+    assert np.all(preds[0, ex] == labels[ex])
+
+
+# ------------------------------------------------------------------ real models (slow)
+
+CLASSIFIER = os.path.expanduser("~/.cache/graphopt/models/minilm-sentiment-dynamo-sdpa.onnx")
+EMBEDDINGS = os.path.expanduser("~/.cache/graphopt/models/minilm-dynamo-sdpa.onnx")
+
+
+def _sentence_feeds(n_batches: int, batch: int = 32, offset: int = 0):
+    from conftest import load_models_module
+    from graphopt.exporters import text_feeds
+
+    clf = load_models_module("minilm_classifier")
+    folder = clf.train_folder()
+    train, test = clf.dataset(seed=1, per_label=800)
+    lines = [t for t, _ in train + test][offset * batch : (offset + n_batches) * batch]
+    feeds, _ = text_feeds.text_feeds(text_feeds.load_tokenizer(folder), lines, batch=batch, order="file")
+    return feeds
+
+
+@pytest.mark.slow
+def test_classifier_through_the_pipeline():
+    pytest.importorskip("transformers")
+    if not os.path.exists(CLASSIFIER):
+        load = importlib.util.find_spec("torch")
+        assert load is not None, "torch is needed to build the classifier"
+        from conftest import load_models_module
+
+        load_models_module("minilm_classifier").build()
+    from graphopt.engine import pipeline
+
+    feeds = _sentence_feeds(10)
+    res = pipeline.optimize(CLASSIFIER, passes="cleanup,fuse,early-exit", feeds=feeds,
+                            # plumbing, not the margin: 40 tune rows cannot show 99% at any useful confidence
+                            overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer",
+                                       "early-exit.confidence=0"])
+    assert res.ok
+    rec = [r for r in res.report.passes if r.name == "early-exit"][0]
+    assert rec.status == "ok" and rec.modified, rec.notes
+    print(rec.notes, rec.verification)
+    ops = [n.op_type for n in res.model.graph]
+    assert "If" in ops and "Attention" in ops  # fused before the layers moved into the branches
+    inner = [n for n in ir.traversal.RecursiveGraphIterator(res.model.graph) if n.op_type == "Attention"]
+    assert len(inner) == 6
+    held = _sentence_feeds(4, offset=10)
+    ref = runtime.run(runtime.make_session(CLASSIFIER), held)
+    got = runtime.run(runtime.make_session(res.model), held)
+    assert metrics.compare(got, ref, held).worst("top1") >= 0.99
+    assert np.concatenate([g["exit_layer"] for g in got]).mean() < 6
+
+
+@pytest.mark.slow
+def test_embeddings_refused_with_fidelity_table():
+    if not os.path.exists(EMBEDDINGS):
+        pytest.importorskip("torch")
+        from conftest import load_models_module
+
+        load_models_module("minilm").build()
+    model = ir.load(EMBEDDINGS)
+    n = len(list(model.graph))
+    result = EarlyExit()(model, PassContext(calib_feeds=_sentence_feeds(3),
+                                            budget=metrics.parse_budget("cosine>=0.99")))
+    assert not result.modified and result.budget_met is False
+    note = result.notes[0]
+    assert "not class logits" in note and all(f"layer {k}: cosine" in note for k in range(1, 6))
+    assert "'layer_norm_10', 'last_hidden_state')" in result.notes[1]  # layer 6 ends at the graph output
+    assert len(list(model.graph)) == n
