@@ -37,8 +37,10 @@ from typing import Any
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
+from onnxscript.rewriter import pattern
 
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
+from graphopt.onnxscript_compat import exact_identity_constants
 from graphopt.opsets import MS_DOMAIN, default_opset
 
 logger = logging.getLogger(__name__)
@@ -163,6 +165,10 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
     if opts.layer_norm:
         # ORT's SimplifiedLayerNormalization is no ONNX op: RMSNormalization (opset >= 23) or standard ops
         steps.append(("rms_normalization_onnx", RmsNormStep()))
+    for _name, step in steps:  # an operand is dropped only when it is the identity exactly
+        rules = getattr(step, "rules", step)
+        if isinstance(rules, pattern.RewriteRuleSet):
+            exact_identity_constants(rules)
     return steps
 
 
