@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from graphopt.errors import MissingFileError, ModelLoadError, ModelSaveError, first_line
+from graphopt.errors import MissingFileError, ModelLoadError, ModelSaveError, OutputPathError, first_line
 from graphopt.interrupt import uninterrupted
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ def check_output_path(src: str | os.PathLike | None, dst: str | os.PathLike, *, 
     if src is not None and not in_place:
         s = Path(src)
         if s.exists() and (dst.resolve() == s.resolve() or (dst.exists() and os.path.samefile(s, dst))):
-            raise ModelSaveError(
+            raise OutputPathError(
                 f"{dst}: output path is the input path", hint="choose another -o, or pass --in-place"
             )
     parent = dst.resolve().parent
