@@ -25,7 +25,7 @@ def command(
     model: Annotated[Path, typer.Argument(help="ONNX model, or a `graphopt deploy` repository.", show_default=False)],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
-    name: Annotated[str | None, typer.Option("--name", help="Model name (default: file stem or repository entry).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Model name (default: the repository entry, else the file name up to its first dot: minilm.int8.onnx -> minilm).")] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Most rows in one batch (1: batching off).")] = 32,
     max_delay_ms: Annotated[float, typer.Option("--max-delay-ms", help="Longest wait for a batch to fill.")] = 5.0,
     max_length: Annotated[int | None, typer.Option("--max-length", help="Longest sequence accepted (default: manifest, else 512).")] = None,
