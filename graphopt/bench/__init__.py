@@ -12,6 +12,7 @@ from graphopt.bench.harness import (
     BenchResult,
     Table,
     by_name,
+    markdown_row,
     median,
     paired_ratios,
     percentile,
@@ -29,7 +30,7 @@ _SESSION_NAMES = ("SCALE_BY", "ConcurrentSessions", "bench_models", "bench_sessi
                   "bench_thread_pairs", "feed_items", "model_settings", "open_sessions", "paired_scaling", "scaling")
 
 __all__ = [
-    "CLOCKS", "BenchResult", "Table", "by_name", "median", "paired_ratios", "percentile", "print_table",
+    "CLOCKS", "BenchResult", "Table", "by_name", "markdown_row", "median", "paired_ratios", "percentile", "print_table",
     "repeats_for", "results_doc", "rotation", "round_robin", "speedups", "time_call", "write_json",
     *_SESSION_NAMES,
 ]
