@@ -88,3 +88,23 @@ def test_repeats_for_and_time_call():
     assert harness.repeats_for(lambda: None, 1.0, probe_seconds=0.001) > 10
     seconds, out = harness.time_call(lambda: 42)
     assert out == 42 and seconds >= 0
+
+
+def test_a_tool_interleaves_through_the_harness():
+    """tools/bench_padding.py times batch by batch across variants (the harness's ``by_step``)."""
+    from conftest import load_tools_module
+
+    calls: list[tuple[str, int]] = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, outputs, batch):
+            calls.append((self.name, batch["i"]))
+
+    times = load_tools_module("bench_padding").timed_rounds({"a": Fake("a"), "b": Fake("b")},
+                                                            [{"i": 0}, {"i": 1}], rounds=1)
+    assert calls == [("a", 0), ("a", 1), ("b", 0), ("b", 1),  # the warm-up round
+                     ("a", 0), ("b", 0), ("b", 1), ("a", 1)]
+    assert set(times) == {"a", "b"} and all(len(t.round_seconds) == 1 for t in times.values())
