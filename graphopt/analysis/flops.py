@@ -1,4 +1,5 @@
-"""Rough FLOP estimates: 2 per multiply-accumulate of MatMul/Gemm/Conv and attention ops.
+"""Rough FLOP estimates: 2 per multiply-accumulate of MatMul/Gemm/Conv and attention ops, their
+integer and quantized forms included (MatMulInteger, MatMulIntegerToFloat, MatMulNBits, QAttention, ...).
 
 Symbolic input dimensions are fixed (names with "batch" get ``batch``, the rest ``seq``) and shapes
 come from ONNX shape inference; where a shape stays unknown, weights' shapes and the batch×seq
