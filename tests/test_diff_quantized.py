@@ -13,6 +13,7 @@ from graphopt.analysis.flops import estimate_flops
 from graphopt.analysis.inspect import inspect_model
 from graphopt.analysis.params import parameter_count
 from graphopt.diff import diff_models
+from graphopt.diff.html import view_model
 
 
 def _qdq_pair(tmp_path):
@@ -147,6 +148,13 @@ def test_tiny_bert_int8(run_cli, tiny_bert_int8):
     # scales are one per output column: 1.6% of a 64-wide model's weights
     _check_int8(r, inspect_model(q), fp32_params=fp32.params["b"], tol=0.02)
     assert _weight_matmuls_matched(src, r) >= 0.9
+    # a bias Add folded into an integer MatMul is credited to the pass that made the MatMul
+    folded = [g for g in r.regions if not g["b_nodes"] and g["a_ops"] == {"Add": 1}]
+    assert folded and all(g["passes"] == {"quantize": 0} for g in folded), folded
+    # the HTML's B pane groups by the layers of A's
+    trees = view_model(r)["trees"]
+    layers = {side: {k for k in trees[side] if k.rsplit(".", 1)[-1].isdigit() and ".layer." in k} for side in "ab"}
+    assert layers["a"] and layers["a"] <= layers["b"], layers
 
 
 @pytest.mark.slow
