@@ -166,3 +166,23 @@ def test_minilm_int8(run_cli, minilm, tmp_path):
     _check_int8(r, inspect_model(q))
     assert _weight_matmuls_matched(src, r) >= 0.9
     assert r.summary["matched"] >= 36
+
+
+def test_shapes_flow_through_integer_matmuls():
+    """A fixed sequence of 10 (not the estimate's 128) reaches the float MatMul after MatMulIntegerToFloat:
+    shape inference knows the contrib op, so no batch x seq guess is made."""
+    k, n, m_ = 8, 16, 4
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.integers(-8, 8, (k, n)).astype(np.int8), "W1_q"),
+             numpy_helper.from_array(np.float32(0.1), "xs"), numpy_helper.from_array(np.uint8(128), "xzp"),
+             numpy_helper.from_array(np.full(n, 0.01, np.float32), "W1_scale"),
+             numpy_helper.from_array(rng.standard_normal((n, m_)).astype(np.float32), "W2")]
+    g = helper.make_graph([
+        helper.make_node("QuantizeLinear", ["x", "xs", "xzp"], ["xq"]),
+        helper.make_node("MatMulIntegerToFloat", ["xq", "W1_q", "xs", "W1_scale", "xzp"], ["h"], domain="com.microsoft"),
+        helper.make_node("MatMul", ["h", "W2"], ["y"]),
+    ], "mmi2f", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 10, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10, m_])], inits)
+    model = _ir(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]))
+    f = estimate_flops(model, batch=2, seq=128)
+    assert f["total"] == 2 * 2 * 10 * (k * n + n * m_) and f["unknown_nodes"] == 0
