@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
 from graphopt import io
+from graphopt.analysis.params import parameter_count
 from graphopt.engine.report import op_histogram
 
 
@@ -49,14 +49,12 @@ def inspect_model(model: ir.Model | str, *, batch: int = 1, seq: int = 128, flop
         model = io.load(model)
     g = model.graph
     hist = op_histogram(model)
-    params = 0
     nbytes = 0
     dtypes: dict[str, int] = {}
     for v in g.initializers.values():
         t = v.const_value
         if t is None:
             continue
-        params += int(np.prod(t.shape.numpy(), dtype=np.int64)) if t.shape is not None else 0
         nbytes += t.nbytes
         dtypes[t.dtype.name] = dtypes.get(t.dtype.name, 0) + 1
     domains = sorted({d or "ai.onnx" for d in model.opset_imports})
@@ -70,7 +68,7 @@ def inspect_model(model: ir.Model | str, *, batch: int = 1, seq: int = 128, flop
         "outputs": _sig(g.outputs),
         "nodes": sum(hist.values()),
         "ops": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
-        "parameters": params,
+        "parameters": parameter_count(g),
         "parameter_bytes": nbytes,
         "initializer_dtypes": dtypes,
         "functions": [f"{f.domain}::{f.name}" for f in model.functions.values()],

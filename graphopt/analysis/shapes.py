@@ -6,6 +6,10 @@ from its file as a private module object: it is not entered in ``sys.modules``, 
 ``onnx`` name is a view of the onnx module whose ``save_model`` writes nothing, because ORT saves
 ``sym_shape_infer_temp.onnx`` into the current folder when inference is incomplete (graphopt never
 changes the process's folder to avoid that file).
+
+The copy also infers ops its dispatcher lacks (:func:`_add_handlers`): ORT's integer MatMuls
+``MatMulIntegerToFloat``, ``DynamicQuantizeMatMul`` and ``QAttention``, and ONNX's ``Attention``
+(opset 23), which the table would otherwise send to the com.microsoft ``Attention`` handler.
 """
 
 from __future__ import annotations
@@ -38,7 +42,55 @@ def _module():
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     mod.onnx = _OnnxWithoutSave()
+    _add_handlers(mod)
     return mod
+
+
+def _add_handlers(mod) -> None:
+    """Register the handlers of the module docstring on the private copy's inference class."""
+    cls = mod.SymbolicShapeInference
+    init = cls.__init__
+
+    def set_output(self, node, shape, elem_type) -> None:
+        vi = self.known_vi_[node.output[0]]
+        vi.CopyFrom(mod.helper.make_tensor_value_info(node.output[0], elem_type, shape))
+
+    def elem(self, name: str) -> int:
+        return self.known_vi_[name].type.tensor_type.elem_type
+
+    def float_matmul(self, node) -> None:  # MatMulIntegerToFloat, DynamicQuantizeMatMul: a scale's float type
+        self._compute_matmul_shape(node, elem(self, node.input[2]))
+
+    def q_attention(self, node) -> None:  # QAttention: [B, S, hidden] like Attention, float (the input scale's)
+        shape = self._get_shape(node, 0)
+        weights = self._get_shape(node, 1)
+        sizes = mod.get_attribute(node, "qkv_hidden_sizes")
+        out = sizes[2] if sizes else (weights[1] // 3 if isinstance(weights[1], int) else weights[1])
+        set_output(self, node, [*shape[:-1], out], elem(self, node.input[3]))
+
+    def attention(self, node, contrib=cls._infer_Attention) -> None:
+        if node.domain not in ("", "ai.onnx"):
+            return contrib(self, node)
+        q, v = self._get_shape(node, 0), self._get_shape(node, 2)
+        if len(q) == 3:  # [B, S, q_heads * v_head]
+            qh, kvh = mod.get_attribute(node, "q_num_heads"), mod.get_attribute(node, "kv_num_heads")
+            last = v[-1] * qh // kvh if qh and kvh and isinstance(v[-1], int) else q[-1]
+            shape = [q[0], q[1], last]
+        else:  # [B, q_heads, S, v_head]
+            shape = [q[0], q[1], q[2], v[-1]]
+        set_output(self, node, shape, elem(self, node.input[0]))
+        return None
+
+    def __init__(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self.dispatcher_.update({
+            "MatMulIntegerToFloat": lambda node: float_matmul(self, node),
+            "DynamicQuantizeMatMul": lambda node: float_matmul(self, node),
+            "QAttention": lambda node: q_attention(self, node),
+            "Attention": lambda node: attention(self, node),
+        })
+
+    cls.__init__ = __init__
 
 
 def symbolic_infer(proto, **kwargs):

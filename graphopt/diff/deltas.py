@@ -11,13 +11,15 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.analysis.params import weight_elements
 from graphopt.diff.matching import Matching, NodeId, a_id, b_id, graph_fingerprint
 from graphopt.engine.report import op_histogram, op_key
 
 
 def initializer_stats(graph: ir.Graph) -> dict:
-    """Count, bytes, parameters, dtype histogram and sparsity (zero fraction) of the initializers."""
-    count = nbytes = params = zeros = 0
+    """Count, bytes, parameters (``graphopt.analysis.params``), dtype histogram and sparsity (zero
+    fraction of the float parameters) of the initializers."""
+    count = nbytes = params = floats = zeros = 0
     dtypes: collections.Counter = collections.Counter()
     for v in graph.initializers.values():
         t = v.const_value
@@ -27,14 +29,15 @@ def initializer_stats(graph: ir.Graph) -> dict:
         nbytes += t.nbytes
         n = int(np.prod(t.shape)) if len(t.shape) else 1
         dtypes[str(t.dtype.name if hasattr(t.dtype, "name") else t.dtype)] += 1
+        params += weight_elements(v) or 0
         if t.dtype.is_floating_point():
-            params += n
+            floats += n
             try:
                 zeros += n - int(np.count_nonzero(t.numpy()))
             except Exception:  # noqa: BLE001
                 pass
     return {"count": count, "bytes": nbytes, "params": params, "dtypes": dict(sorted(dtypes.items())),
-            "sparsity": (zeros / params) if params else 0.0}
+            "sparsity": (zeros / floats) if floats else 0.0}
 
 
 def _tensor_desc(t) -> dict:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import onnx_ir as ir
 
+from graphopt.diff import quantized
 from graphopt.engine import provenance
 from graphopt.engine.report import op_key
 from graphopt.opsets import node_domain
@@ -217,6 +218,7 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
             a_by_name[n.name].append(i)
         a_by_sig[(node_domain(n), n.op_type, attr_hash(n), len(n.inputs))].append(i)
     a_matched: set[int] = set()
+    q_pairs = quantized.pair_quantized(a_nodes, b_nodes)
     node_b2a: dict[int, int] = {}
     modified: dict[int, list[str]] = {}
 
@@ -243,7 +245,13 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
             # all inputs unknown: accept only a name or output-name match
             cands = [i for i in cands if _same_names(a_nodes[i], nb)]
         choice: int | None = None
-        if cands:
+        q = q_pairs.get(j)
+        via_q = q is not None and q not in a_matched
+        if via_q:
+            choice = q
+            node_b2a[j] = q
+            modified[j] = quantized.describe(a_nodes[q], nb)
+        elif cands:
             choice = max(cands, key=lambda i: (_node_names_equal(a_nodes[i], nb),
                                                 _out_names_equal(a_nodes[i], nb), -abs(i - j)))
             node_b2a[j] = choice
@@ -263,10 +271,10 @@ def match_graphs(ga: ir.Graph, gb: ir.Graph) -> Matching:
         rebuilt = rebuilt_since(na, nb)
         if rebuilt:
             modified.setdefault(j, []).insert(0, f"rebuilt by {provenance.format_chain(rebuilt)}")
-        for vb, va in zip(nb.inputs, na.inputs, strict=False):
+        for vb, va in quantized.input_pairs(na, nb) if via_q else zip(nb.inputs, na.inputs, strict=False):
             if vb is not None and va is not None and vb not in b2a and va not in a_mapped:
                 pair_value(vb, va)
-        for vb, va in zip(nb.outputs, na.outputs, strict=False):
+        for vb, va in quantized.result_pairs(na, nb) if via_q else zip(nb.outputs, na.outputs, strict=False):
             pair_value(vb, va)
         changed_inits = [v.name for v in na.inputs if v is not None and v.name in init_changed and v.is_initializer()]
         if changed_inits:

@@ -5,7 +5,8 @@ A node joins the B component whose paired output values it feeds (through unmatc
 stopping at paired values): "these 14 nodes became this LayerNormalization". A nodes feeding several
 components (e.g. a mask computation shared by every fused attention) form their own region, which
 records the regions it fed in ``shared_by``; A nodes feeding none are grouped among themselves
-(removed).
+(removed; where a matched B node produces their result, they were folded into it, and the region
+credits the pass that made that node).
 
 Credit: each B node carries its provenance chain (:mod:`graphopt.engine.provenance`: the passes that made
 and then rebuilt it). The part of the chain A already had (the longest chain of the region's A nodes
@@ -265,7 +266,20 @@ def find_regions(m: Matching) -> list[Region]:
             for t in targets:
                 for p in regions[t].passes:
                     r.passes.setdefault(p, 0)
+        elif not r.b_nodes:
+            _credit_folded(m, r, a2b_val)
     return regions
+
+
+def _credit_folded(m: Matching, r: Region, a2b_val: dict[ir.Value, ir.Value]) -> None:
+    """A removed region whose result a matched B node produces was folded into that node (a bias
+    ``Add`` an integer MatMul took in): credit the pass that made the node, with no node counted."""
+    a_chains = [c for n in r.a_nodes if (c := provenance.chain_of(m.a_nodes[n.index]))]
+    for nid in r.a_nodes:
+        for v in m.a_nodes[nid.index].outputs:
+            p = a2b_val[v].producer() if v in a2b_val else None
+            if p is not None and (c := provenance.chain_of(p)):
+                r.passes.setdefault(chain_since(c, a_chains)[0], 0)
 
 
 def _input_helpers(m: Matching, b_un: list[int], b_idx: dict[int, int]) -> set[int]:
