@@ -65,7 +65,7 @@ def command(
         return
     stream.finish(new_text)
     rate = "n/a" if result.decode_tokens_per_s is None else f"{result.decode_tokens_per_s:.1f} tokens/s"
-    typer.echo(f"{len(result.token_ids)} tokens ({result.finish[0]}): prefill {result.prefill_ms:.1f} ms, "
+    typer.echo(f"{len(result.token_ids)} tokens ({result.finish}): prefill {result.prefill_ms:.1f} ms, "
                f"decode {rate}", err=True)
 
 

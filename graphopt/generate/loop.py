@@ -34,7 +34,7 @@ class Generation:
 
     prompt_ids: list[list[int]]
     rows: list[list[int]]
-    finish: list[str]  # per row: "stop" (a stop id) or "length" (max_new_tokens or the model's maximum)
+    finishes: list[str]  # per row: "stop" (a stop id) or "length" (max_new_tokens or the model's maximum)
     prefill_ms: float
     decode_tokens_per_s: float | None
     batched: bool = True  # False: generate was given one prompt; token_ids is then that prompt's list
@@ -43,9 +43,13 @@ class Generation:
     def token_ids(self) -> list[int] | list[list[int]]:
         return self.rows if self.batched else self.rows[0]
 
+    @property
+    def finish(self) -> str | list[str]:
+        return self.finishes if self.batched else self.finishes[0]
+
     def as_dict(self) -> dict:
         return {"prompt_ids": self.prompt_ids if self.batched else self.prompt_ids[0], "token_ids": self.token_ids,
-                "finish": self.finish if self.batched else self.finish[0], "prefill_ms": self.prefill_ms,
+                "finish": self.finish, "prefill_ms": self.prefill_ms,
                 "decode_tokens_per_s": self.decode_tokens_per_s}
 
 
@@ -111,15 +115,18 @@ def generate(
     """Generate up to ``max_new_tokens`` for a prompt (token ids), several prompts, or a Batch.
 
     ``stop_ids``: a row stops after choosing one (it is kept in its tokens). ``max_length``: the model's
-    maximum positions (a longer prompt is a UsageError; generation stops there). ``pad_id`` pads batches.
+    maximum positions: prompt and new tokens together stay within it, as in transformers (a prompt that fills
+    it is a UsageError). ``pad_id`` pads batches.
     """
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     single = not isinstance(prompt, Batch) and (len(prompt) == 0 or np.ndim(prompt[0]) == 0)
     batch = prompt if isinstance(prompt, Batch) else Batch.of([prompt] if single else prompt, pad_id)
-    if max_length is not None and batch.width > max_length:
-        raise UsageError(f"the prompt is {batch.width} tokens; the model takes at most {max_length}",
-                         hint="shorten the prompt")
+    if max_length is not None:
+        if batch.width >= max_length:
+            raise UsageError(f"the prompt is {batch.width} tokens; the model takes at most {max_length} in all "
+                             "(prompt and new tokens)", hint="shorten the prompt")
+        max_new_tokens = min(max_new_tokens, max_length - batch.width)  # as transformers: all tokens <= max_length
     dec = open_decoder(session_or_path, threads=threads)
     if dec.sig.vocab is not None:
         bad = [t for r in batch.rows for t in r if not 0 <= t < dec.sig.vocab]
@@ -131,19 +138,17 @@ def generate(
     finish = ["length"] * batch.size
     clock = _Clock()
     for group in batch.groups(dec.sig.has_position_ids):
-        _run_group(dec, batch.select(group), group, max_new_tokens, max_length, sampler, stops, on_token,
+        _run_group(dec, batch.select(group), group, max_new_tokens, sampler, stops, on_token,
                    rows, finish, clock)
     rate = clock.decode_tokens / clock.decode_s if clock.decode_tokens and clock.decode_s > 0 else None
     return Generation([list(r) for r in batch.rows], rows, finish, clock.prefill_s * 1e3, rate, batched=not single)
 
 
-def _run_group(dec: Decoder, batch: Batch, index: list[int], max_new: int, max_length: int | None,
+def _run_group(dec: Decoder, batch: Batch, index: list[int], max_new: int,
                sampler: Sampler, stops: frozenset[int], on_token: OnToken | None,
                rows: list[list[int]], finish: list[str], clock: _Clock) -> None:
     """Prefill and decode one group of rows (``index``: their places in the caller's batch)."""
-    capacity = batch.width + max_new
-    if max_length is not None:
-        capacity = min(capacity, max_length)
+    capacity = batch.width + max_new - 1  # the last new token is never fed back
     cache = KVCache(dec.sig, batch.size, capacity)
     mask = batch.attention_mask()
     positions = batch.position_ids()
@@ -167,7 +172,7 @@ def _run_group(dec: Decoder, batch: Batch, index: list[int], max_new: int, max_l
                 done[j] = True
                 finish[index[j]] = "stop"
         step += 1
-        if done.all() or step >= max_new or cache.free < 1:
+        if done.all() or step >= max_new:
             break
         feed = np.where(done, batch.pad_id, tokens)[:, None]
         mask = np.concatenate([mask, np.ones((batch.size, 1), np.int64)], axis=1)
