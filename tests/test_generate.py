@@ -143,6 +143,25 @@ def test_cache_rolls_back_by_length_and_redecodes_the_same_tokens(decoder):
         cache.bind(dec.session.io_binding(), cache.free + 1)
 
 
+def test_a_multi_token_step_checks_drafts_and_rolls_back(decoder):
+    """Speculative decoding's verify step: the drafted tokens in one step give the greedy tokens at every
+    position; the rejected tail is rolled back and decoding goes on as before."""
+    _, dec = decoder
+    prompt = PROMPTS[0]
+    greedy = generate(dec, prompt, max_new_tokens=8).token_ids
+    n = len(prompt)
+    cache = KVCache(dec.sig, 1, n + 8)
+    ids = np.array([prompt], np.int64)
+    first = int(np.argmax(dec.step(cache, ids, np.ones((1, n), np.int64), np.arange(n)[None])))
+    drafts = [first, *greedy[1:4]]
+    logits = dec.step(cache, np.array([drafts]), np.ones((1, n + 4), np.int64), np.arange(n, n + 4)[None],
+                      all_positions=True)
+    assert logits.shape[:2] == (1, 4) and np.argmax(logits[0], axis=-1).tolist() == greedy[1:5]
+    cache.rollback(n + 2)  # keep the prompt and two drafts: the next input is the third
+    nxt = dec.step(cache, np.array([[drafts[2]]]), np.ones((1, n + 3), np.int64), np.array([[n + 2]]))
+    assert int(np.argmax(nxt)) == greedy[3]
+
+
 def test_generation_stops_at_stop_ids_and_the_model_maximum(decoder):
     _, dec = decoder
     prompt = PROMPTS[0]

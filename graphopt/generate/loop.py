@@ -62,8 +62,11 @@ class Decoder:
         self._binding = session.io_binding()
 
     def step(self, cache: KVCache, input_ids: np.ndarray, attention_mask: np.ndarray,
-             position_ids: np.ndarray | None) -> np.ndarray:
-        """[batch, vocab] logits of the last position; the cache grows by ``input_ids``' length."""
+             position_ids: np.ndarray | None, *, all_positions: bool = False) -> np.ndarray:
+        """[batch, vocab] logits of the last position (``all_positions``: [batch, sequence, vocab], to check
+        several drafted tokens in one step); the cache grows by ``input_ids``' length."""
+        if all_positions and not self.sig.logits_all_positions:
+            raise UsageError("the graph returns the last position's logits only; all positions were asked for")
         b = self._binding
         b.clear_binding_inputs()
         b.clear_binding_outputs()
@@ -76,7 +79,7 @@ class Decoder:
         self.session.run_with_iobinding(b)
         logits = b.get_outputs()[0].numpy()
         cache.advance(input_ids.shape[1])
-        return last_logits(logits)
+        return logits if all_positions else last_logits(logits)
 
 
 def open_decoder(session_or_path, *, threads: int | None = None) -> Decoder:
