@@ -11,7 +11,10 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Json, Threads
+from graphopt.cli.options import Threads
+
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (prompt_ids, token_ids, text, prefill_ms, "
+                                     "decode_tokens_per_s) instead of streaming the text.")]
 
 
 def command(
@@ -25,7 +28,7 @@ def command(
     top_p: Annotated[float, typer.Option("--top-p", help="Sample among the likeliest tokens up to probability P.")] = 1.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of the sampler (reproducible runs).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Never stop at an end-of-sequence token: "
-                                             "generate exactly --max-new-tokens.")] = False,
+                                             "generate --max-new-tokens (within the model's maximum length).")] = False,
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Folder of the tokenizer (default: the "
                                                    "model's folder), e.g. the Hugging Face folder exported.")] = None,
     json_out: Json = False,
@@ -35,57 +38,26 @@ def command(
     The tokenizer (and config.json / generation_config.json, for the maximum length and the stop tokens) come
     from the model's folder or --tokenizer DIR. Streams the text; --json prints one object instead.
     """
-    from graphopt.errors import MissingFileError
-    from graphopt.generate import chat as text
-    from graphopt.generate.loop import generate, open_decoder
     from graphopt.generate.sampling import Sampling
+    from graphopt.generate.text import generate_text
 
-    if not model.is_file():
-        raise MissingFileError(f"{model}: no such file" if not model.exists() else f"{model}: is a folder, not an ONNX file")
-    folder = text.tokenizer_folder(model, tokenizer)
-    tok = text.load_tokenizer(folder)
-    prompt_ids = text.encode(tok, prompt, chat=chat)
-    folders = (folder, model.parent)
-    stops = text.stop_ids(tok, *folders)
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if ignore_eos:
-        sampling, stops = sampling.masking(stops), []
-    decoder = open_decoder(model, threads=threads or None)
-    stream = None if json_out else _Stream(tok)
-    result = generate(decoder, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
-                      on_token=stream, max_length=text.max_positions(tok, *folders), pad_id=text.pad_id(tok))
-    new_text = tok.decode(result.token_ids, skip_special_tokens=True)
+    def stream(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    result = generate_text(model, prompt, max_new_tokens=max_new_tokens, chat=chat, ignore_eos=ignore_eos,
+                           sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                           tokenizer=tokenizer, threads=threads or None, on_text=None if json_out else stream)
+    g = result.generation
     if json_out:
         import json
 
-        typer.echo(json.dumps({"prompt_ids": result.prompt_ids[0], "token_ids": result.token_ids, "text": new_text,
-                               "prefill_ms": round(result.prefill_ms, 3),
-                               "decode_tokens_per_s": None if result.decode_tokens_per_s is None
-                               else round(result.decode_tokens_per_s, 2)}, indent=2))
+        d = result.as_dict()
+        d["prefill_ms"] = round(d["prefill_ms"], 3)
+        if d["decode_tokens_per_s"] is not None:
+            d["decode_tokens_per_s"] = round(d["decode_tokens_per_s"], 2)
+        typer.echo(json.dumps(d, indent=2))
         return
-    stream.finish(new_text)
-    rate = "n/a" if result.decode_tokens_per_s is None else f"{result.decode_tokens_per_s:.1f} tokens/s"
-    typer.echo(f"{len(result.token_ids)} tokens ({result.finish}): prefill {result.prefill_ms:.1f} ms, "
-               f"decode {rate}", err=True)
-
-
-class _Stream:
-    """Prints the text of the new tokens as they come (whole characters only: a token may end mid-character)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
-
-    def __call__(self, row: int, token: int) -> None:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.shown):
-            return
-        sys.stdout.write(text[len(self.shown):])
-        sys.stdout.flush()
-        self.shown = text
-
-    def finish(self, text: str) -> None:
-        if text.startswith(self.shown):
-            sys.stdout.write(text[len(self.shown):])
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    sys.stdout.write("\n")
+    rate = "n/a" if g.decode_tokens_per_s is None else f"{g.decode_tokens_per_s:.1f} tokens/s"
+    typer.echo(f"{len(g.token_ids)} tokens ({g.finish}): prefill {g.prefill_ms:.1f} ms, decode {rate}", err=True)
