@@ -133,3 +133,17 @@ def test_help(run_cli):
     assert code == 0, err
     assert "--ignore-eos" in out and "--tokenizer" in out
     assert "typing." not in out and " object at 0x" not in out and "<class " not in out, out
+
+
+def test_streamed_text_waits_for_whole_characters():
+    from graphopt.generate.text import _Deltas
+
+    class Bytes:  # token t is byte t; "é" is two tokens
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    shown = []
+    deltas = _Deltas(Bytes(), shown.append)
+    for row, t in enumerate(b"a\xc3\xa9b"):
+        deltas(row, t)
+    assert shown == ["a", "\u00e9", "b"]
