@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -200,3 +202,37 @@ def test_signature_refuses_a_decoder_without_past(tiny):
         Decoder(ort.InferenceSession(str(path)), name=str(path))
     with pytest.raises(UsageError, match="no such file"):
         generate(path.parent / "missing.onnx", [1], max_new_tokens=1)
+
+
+class _Arg:
+    def __init__(self, name, shape, type_="tensor(float)"):
+        self.name, self.shape, self.type = name, shape, type_
+
+
+def _io(*, logits=("batch", "sequence", 1000), kv=(2, 16), ids="tensor(int64)", present=True, extra=()):
+    ins = [_Arg("input_ids", ["batch", "sequence"], ids), _Arg("attention_mask", ["batch", "total"], "tensor(int64)"),
+           _Arg("past_key_values.0.key", ["batch", kv[0], "past", kv[1]]),
+           _Arg("past_key_values.0.value", ["batch", kv[0], "past", kv[1]]), *extra]
+    outs = [_Arg("logits", list(logits)), _Arg("present.0.key", ["batch", kv[0], "total", kv[1]])]
+    if present:
+        outs.append(_Arg("present.0.value", ["batch", kv[0], "total", kv[1]]))
+    return ins, outs
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"present": False}, "input 'past_key_values.0.value' has no output 'present.0.value'"),
+    ({"kv": ("kv_heads", 16)}, "kv_heads and head_dim must be static"),
+    ({"ids": "tensor(int32)"}, "'input_ids' is tensor(int32)"),
+    ({"extra": [_Arg("token_type_ids", ["batch", "sequence"], "tensor(int64)")]}, "unexpected input 'token_type_ids'"),
+    ({"logits": ("batch",)}, "'logits' has rank 1"),
+])
+def test_signature_refusals(kwargs, why):
+    with pytest.raises(UsageError, match="not a decoder with past: " + re.escape(why)):
+        read_signature(*_io(**kwargs))
+
+
+def test_signature_logits_last_only_and_position_ids():
+    sig = read_signature(*_io(logits=("batch", 1, 1000), extra=[_Arg("position_ids", ["batch", "sequence"],
+                                                                     "tensor(int64)")]))
+    assert not sig.logits_all_positions and sig.has_position_ids and sig.vocab == 1000
+    assert not read_signature(*_io(logits=("batch", "vocab"))).logits_all_positions
