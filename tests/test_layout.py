@@ -19,7 +19,7 @@ ROOTS = {"graphopt": "graphopt", "rewrites": "graphopt.rewrites", "exporters": "
 MAX_LINES = 500
 #: layer of each top-level room; an import may point to its own layer or a lower one, never a higher one
 LAYERS = {
-    "core": 0, "runtime": 1, "data": 2, "analysis": 2, "engine": 3, "rewrites": 4, "exporters": 4,
+    "core": 0, "runtime": 1, "data": 2, "analysis": 2, "generate": 2.5, "engine": 3, "rewrites": 4, "exporters": 4,
     "search": 5, "diff": 5, "serve": 5, "deploy": 5, "bench": 5, "recipes": 5, "cli": 6,
 }
 CORE = {"graphopt", "graphopt.errors", "graphopt.io", "graphopt.memory", "graphopt.interrupt", "graphopt.opsets",

@@ -14,7 +14,19 @@ import sys
 
 import typer
 
-from graphopt.cli import bench, deploy, diff, export, feeds, inspect_cmd, optimize, passes, serve, verify
+from graphopt.cli import (
+    bench,
+    deploy,
+    diff,
+    export,
+    feeds,
+    generate,
+    inspect_cmd,
+    optimize,
+    passes,
+    serve,
+    verify,
+)
 from graphopt.errors import EXIT_ERROR, GraphoptError, first_line
 from graphopt.interrupt import unwind_on_signals
 
@@ -49,6 +61,7 @@ _command("feeds", feeds.command, no_args_is_help=True)
 _command("diff", diff.command, no_args_is_help=True)
 _command("deploy", deploy.command, no_args_is_help=True, epilog=deploy.EPILOG)
 _command("serve", serve.command, no_args_is_help=True, epilog=serve.EPILOG)
+_command("generate", generate.command, no_args_is_help=True)
 
 _state = {"debug": False}
 

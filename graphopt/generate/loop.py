@@ -1,0 +1,186 @@
+"""``generate``: prefill then one decode step per token, with streaming callbacks and timings.
+
+    prompt ──prefill (all prompt tokens, empty past)──▶ logits ─sample─▶ token 1      (prefill_ms ends here)
+    token t ──decode (one token, past = cache)──▶ logits ─sample─▶ token t+1        (until a stop id or the limit)
+
+The session's IO binding feeds the cache (``cache.KVCache``) in place; only the logits are allocated per step.
+Timings: ``prefill_ms`` is prompt in to first new token out; ``decode_tokens_per_s`` is the new tokens after
+the first over the time from the first to the last (None when fewer than two were generated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from graphopt.errors import MissingFileError, UsageError
+from graphopt.generate.batch import Batch
+from graphopt.generate.cache import KVCache
+from graphopt.generate.sampling import GREEDY, Sampler, Sampling
+from graphopt.generate.signature import DecoderSignature, last_logits, read_signature
+
+#: ``on_token(row, token_id)``: called as each new token is chosen (row: the prompt's index in the batch)
+OnToken = Callable[[int, int], None]
+
+
+@dataclasses.dataclass
+class Generation:
+    """What ``generate`` returns: the new tokens per row (stop token included, as transformers), timings."""
+
+    prompt_ids: list[list[int]]
+    rows: list[list[int]]
+    finishes: list[str]  # per row: "stop" (a stop id) or "length" (max_new_tokens or the model's maximum)
+    prefill_ms: float
+    decode_tokens_per_s: float | None
+    batched: bool = True  # False: generate was given one prompt; token_ids is then that prompt's list
+
+    @property
+    def token_ids(self) -> list[int] | list[list[int]]:
+        return self.rows if self.batched else self.rows[0]
+
+    @property
+    def finish(self) -> str | list[str]:
+        return self.finishes if self.batched else self.finishes[0]
+
+    def as_dict(self) -> dict:
+        return {"prompt_ids": self.prompt_ids if self.batched else self.prompt_ids[0], "token_ids": self.token_ids,
+                "finish": self.finish, "prefill_ms": self.prefill_ms,
+                "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+class Decoder:
+    """An ORT session driven through one IO binding: ``step`` runs new tokens against a cache."""
+
+    def __init__(self, session, sig: DecoderSignature | None = None, *, name: str = "model"):
+        self.session = session
+        self.sig = sig or read_signature(session, name=name)
+        self._binding = session.io_binding()
+
+    def step(self, cache: KVCache, input_ids: np.ndarray, attention_mask: np.ndarray,
+             position_ids: np.ndarray | None, *, all_positions: bool = False) -> np.ndarray:
+        """[batch, vocab] logits of the last position (``all_positions``: [batch, sequence, vocab], to check
+        several drafted tokens in one step); the cache grows by ``input_ids``' length."""
+        if all_positions and not self.sig.logits_all_positions:
+            raise UsageError("the graph returns the last position's logits only; all positions were asked for")
+        b = self._binding
+        b.clear_binding_inputs()
+        b.clear_binding_outputs()
+        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
+        b.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, np.int64))
+        if self.sig.has_position_ids:
+            b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
+        b.bind_output("logits")
+        cache.bind(b, input_ids.shape[1])
+        self.session.run_with_iobinding(b)
+        logits = b.get_outputs()[0].numpy()
+        cache.advance(input_ids.shape[1])
+        return logits if all_positions else last_logits(logits)
+
+
+def open_decoder(session_or_path, *, threads: int | None = None) -> Decoder:
+    """A Decoder over a session, or over a new CPU session of an ONNX file."""
+    if isinstance(session_or_path, Decoder):
+        return session_or_path
+    if isinstance(session_or_path, (str, os.PathLike)):
+        from graphopt.runtime.session import make_session
+
+        path = Path(session_or_path)
+        if not path.is_file():
+            raise MissingFileError(f"{path}: no such file" if not path.exists() else f"{path}: is a folder, not an ONNX file")
+        return Decoder(make_session(path, threads=threads), name=str(path))
+    return Decoder(session_or_path)
+
+
+@dataclasses.dataclass
+class _Clock:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+
+def generate(
+    session_or_path,
+    prompt: Sequence[int] | Sequence[Sequence[int]] | Batch,
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = GREEDY,
+    stop_ids: Iterable[int] = (),
+    on_token: OnToken | None = None,
+    max_length: int | None = None,
+    pad_id: int = 0,
+    threads: int | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` for a prompt (token ids), several prompts, or a Batch.
+
+    ``stop_ids``: a row stops after choosing one (it is kept in its tokens). ``max_length``: the model's
+    maximum positions: prompt and new tokens together stay within it, as in transformers (a prompt that fills
+    it is a UsageError). ``pad_id`` pads batches.
+    """
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    single = not isinstance(prompt, Batch) and (len(prompt) == 0 or np.ndim(prompt[0]) == 0)
+    batch = prompt if isinstance(prompt, Batch) else Batch.of([prompt] if single else prompt, pad_id)
+    if max_length is not None:
+        if batch.width >= max_length:
+            raise UsageError(f"the prompt is {batch.width} tokens; the model takes at most {max_length} in all "
+                             "(prompt and new tokens)", hint="shorten the prompt")
+        max_new_tokens = min(max_new_tokens, max_length - batch.width)  # as transformers: all tokens <= max_length
+    dec = open_decoder(session_or_path, threads=threads)
+    if dec.sig.vocab is not None:
+        bad = [t for r in batch.rows for t in r if not 0 <= t < dec.sig.vocab]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the model's vocabulary of {dec.sig.vocab}")
+    sampler = Sampler(sampling)
+    stops = frozenset(int(t) for t in stop_ids)
+    rows: list[list[int]] = [[] for _ in batch.rows]
+    finish = ["length"] * batch.size
+    clock = _Clock()
+    for group in batch.groups(dec.sig.has_position_ids):
+        _run_group(dec, batch.select(group), group, max_new_tokens, sampler, stops, on_token,
+                   rows, finish, clock)
+    rate = clock.decode_tokens / clock.decode_s if clock.decode_tokens and clock.decode_s > 0 else None
+    return Generation([list(r) for r in batch.rows], rows, finish, clock.prefill_s * 1e3, rate, batched=not single)
+
+
+def _run_group(dec: Decoder, batch: Batch, index: list[int], max_new: int,
+               sampler: Sampler, stops: frozenset[int], on_token: OnToken | None,
+               rows: list[list[int]], finish: list[str], clock: _Clock) -> None:
+    """Prefill and decode one group of rows (``index``: their places in the caller's batch)."""
+    capacity = batch.width + max_new - 1  # the last new token is never fed back
+    cache = KVCache(dec.sig, batch.size, capacity)
+    mask = batch.attention_mask()
+    positions = batch.position_ids()
+    done = np.zeros(batch.size, bool)
+    t0 = time.perf_counter()
+    tokens = sampler(dec.step(cache, batch.input_ids(), mask, positions))
+    t_first = t_last = time.perf_counter()
+    clock.prefill_s += t_first - t0
+    made = 0
+    step = 0
+    while True:
+        for j, tok in enumerate(tokens.tolist()):
+            if done[j]:
+                continue
+            rows[index[j]].append(tok)
+            if step:
+                made += 1
+            if on_token is not None:
+                on_token(index[j], tok)
+            if tok in stops:
+                done[j] = True
+                finish[index[j]] = "stop"
+        step += 1
+        if done.all() or step >= max_new:
+            break
+        feed = np.where(done, batch.pad_id, tokens)[:, None]
+        mask = np.concatenate([mask, np.ones((batch.size, 1), np.int64)], axis=1)
+        positions = positions[:, -1:] + 1
+        tokens = sampler(dec.step(cache, feed, mask, positions))
+        t_last = time.perf_counter()
+    clock.decode_s += t_last - t_first
+    clock.decode_tokens += made
