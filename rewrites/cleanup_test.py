@@ -10,8 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt import io
 from graphopt.engine import pipeline
-from graphopt.engine.report import op_histogram
 from graphopt.engine.verify import run_model
+from graphopt.opsets import op_histogram
 
 
 def _model(nodes, inputs, outputs, inits=(), opsets=(("", 17),), ir_version=8, functions=()):

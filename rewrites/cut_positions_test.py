@@ -12,9 +12,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
 from graphopt.engine import pipeline, registry
-from graphopt.engine.report import op_histogram
 from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError
+from graphopt.opsets import op_histogram
 from rewrites.cut_positions import CutPositions
 
 MODELS = Path(os.path.expanduser("~/.cache/graphopt/models"))

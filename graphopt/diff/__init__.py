@@ -25,7 +25,7 @@ from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
 from graphopt.diff.scopes import node_scope
 from graphopt.engine import provenance
-from graphopt.engine.report import op_histogram, op_key
+from graphopt.opsets import op_histogram, op_key
 
 __all__ = ["SCHEMA_VERSION", "DiffResult", "diff_models"]
 

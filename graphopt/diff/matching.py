@@ -30,8 +30,7 @@ from typing import NamedTuple
 import onnx_ir as ir
 
 from graphopt.engine import provenance
-from graphopt.engine.report import op_key
-from graphopt.opsets import node_domain
+from graphopt.opsets import node_domain, op_key
 
 
 class Side(enum.Enum):

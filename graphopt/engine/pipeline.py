@@ -28,9 +28,10 @@ from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import Budget, parse_budget
 from graphopt.engine import provenance, registry
 from graphopt.engine import recipe as recipe_mod
-from graphopt.engine.report import PassRecord, Report, count_nodes, op_delta, op_histogram
+from graphopt.engine.report import PassRecord, Report
 from graphopt.engine.verify import check_level, check_structure, run_model, run_session, verify
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
+from graphopt.opsets import count_nodes, op_delta, op_histogram
 from graphopt.runtime import session_hints, standins
 from graphopt.runtime.session import PROVIDERS, make_session
 
