@@ -79,9 +79,8 @@ class Sessions:
 
     def make(self, model, *, parity: bool):
         from graphopt import io
-        from graphopt.engine.verify import runnable
         from graphopt.errors import first_line
-        from graphopt.runtime.session import make_session, session_options
+        from graphopt.runtime.session import make_session, runnable, session_options
 
         if self.dry_run:
             return make_session(runnable(model, "cpu")[0], provider="cpu", optimize=True)
