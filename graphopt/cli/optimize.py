@@ -72,11 +72,10 @@ def command(
     without it (a warning; --strict: exit 3, no output). A lossy pass that fails or cannot meet
     --budget (or its default budget) stops the run: exit 3, no output, unless --keep-going.
     """
-    from graphopt import io
     from graphopt.cli.console import make_console
     from graphopt.data.metrics import parse_budget
     from graphopt.engine import pipeline
-    from graphopt.engine import recipe as recipe_mod
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.errors import UsageError, VerificationError
 
     if output is None and not in_place:
@@ -97,40 +96,21 @@ def command(
         raise UsageError("--workers, --ray and --search-passes go with --search", hint="add --search")
     parsed_budget = parse_budget(budget)
     shapes, values = feed_overrides(input_shape, input_value, calib)
-    io.check_output_path(model, out, in_place=in_place)
-    if model.is_file():
-        from graphopt import memory
-
-        memory.plan(model, verify, memory.parse_size(max_memory) if max_memory is not None else None)
-    rec = recipe_mod.load(recipe, provider=provider) if recipe else None
+    options = OptimizeOptions(
+        recipe=recipe, passes=passes, overrides=set_ or [], calib=calib, input_shapes=shapes, input_values=values,
+        budget=parsed_budget, provider=provider, verify_level=verify, keep_going=keep_going, strict=strict,
+        max_memory=max_memory, debug_dir=debug_dir, explain=explain,
+    )
 
     console = make_console(stderr=True)
     with console.status("optimizing…") as status:
-        result = pipeline.optimize(
-            model,
-            rec,
-            passes=passes,
-            overrides=set_ or [],
-            calib=calib,
-            input_shapes=shapes,
-            input_values=values,
-            budget=parsed_budget,
-            provider=provider,
-            verify_level=verify,
-            keep_going=keep_going,
-            strict=strict,
-            debug_dir=debug_dir,
-            explain=explain,
-            on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"),
-        )
+        result = pipeline.optimize_file(model, out, options, external_data=external_data, in_place=in_place,
+                                        on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"))
     rep = result.report
     for failed in rep.failed():
         if result.ok:
             console.print(f"[bold yellow]warning:[/] pass {failed.name!r} {failed.status}: {failed.error}; "
                           "the output is written without it (--strict fails instead)", highlight=False)
-    if result.ok:
-        io.save(result.model, out, external_data=external_data, src=model, in_place=in_place)
-        rep.output = str(out)
     if report is not None:
         rep.save(report)
     if json_:

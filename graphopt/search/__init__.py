@@ -275,6 +275,7 @@ def _build(shared: _Shared, cand: Candidate, trial: Trial) -> ir.Model | None:
     """The candidate's model: each step through the pipeline (cached by its base and settings); None when a
     step declined (the trial says why)."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     cache = _cache_dir(shared)
     model = None
@@ -292,8 +293,9 @@ def _build(shared: _Shared, cand: Candidate, trial: Trial) -> ir.Model | None:
             continue
         if model is None:
             model = _from_bytes(shared.bases[cand.base])
-        res = pipeline.optimize(model, recipe_mod.Recipe("search-step", [step]), feeds=shared.feeds,
-                                budget=shared.budget, provider=shared.provider, verify_level="structure")
+        res = pipeline.optimize(model, OptimizeOptions(recipe=recipe_mod.Recipe("search-step", [step]),
+                                                       feeds=shared.feeds, budget=shared.budget,
+                                                       provider=shared.provider, verify_level="structure"))
         rec = res.report.passes[-1]
         notes = [f"{rec.name}: {n}" for n in rec.notes]
         trial.notes += notes
@@ -470,6 +472,7 @@ def search(
     GraphoptError for bad usage or input. Ctrl-C during the trials ends them and returns the best so far.
     """
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.verify import run_model
 
     t_start = time.perf_counter()
@@ -510,8 +513,8 @@ def search(
     base_trial = Trial("lossless", "default", [], status="reference", speedup=1.0)
     for name, rec in wanted.items():
         t0 = time.perf_counter()
-        res = pipeline.optimize(original.clone(), dataclasses.replace(rec, steps=list(rec.steps)),
-                                feeds=all_feeds, provider=provider)
+        res = pipeline.optimize(original.clone(), OptimizeOptions(
+            recipe=dataclasses.replace(rec, steps=list(rec.steps)), feeds=all_feeds, provider=provider))
         if not res.ok:
             failed = res.report.failed()[-1]
             raise VerificationError(f"the lossless recipe failed on {src}: pass {failed.name!r}: {failed.error}")
