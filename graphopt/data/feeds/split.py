@@ -35,3 +35,25 @@ def calibration_feeds(model: ir.Model, calib_feeds: Sequence[Feed], held_feeds: 
         return calib, held, None
     calib = held = generate(model)
     return calib, held, f"no feeds given: {purpose} on generated feeds (give --calib for real data)"
+
+
+#: below these, the half of the feeds that ``optimize --calib`` holds back to check a lossy pass's budget
+#: (``graphopt.data.feeds.split_feeds``) is too small for the check to mean much
+MIN_FEEDS = 4
+MIN_HELD_BACK_ITEMS = 64
+
+
+def thin_split_warning(items: int, batch: int) -> str | None:
+    """A warning when ``items`` lines in feeds of ``batch`` make too thin a held-back split, else None."""
+    sizes = [min(batch, items - start) for start in range(0, items, batch)]
+    calibrate, held = split_feeds(sizes)
+    if len(sizes) >= MIN_FEEDS and sum(held) >= MIN_HELD_BACK_ITEMS:
+        return None
+    lines = max(MIN_FEEDS * batch, 2 * MIN_HELD_BACK_ITEMS)
+    if held is calibrate:
+        split = f"with fewer than 2 feeds the same {items} items both calibrate and check"
+    else:
+        split = (f"--calib calibrates on {len(calibrate)} feed(s) ({sum(calibrate)} items) and checks budgets on "
+                 f"the {len(held)} held back ({sum(held)} items)")
+    return (f"{items} lines make {len(sizes)} feed(s), too few for a meaningful held-back check: {split}; "
+            f"use at least {lines} lines at --batch {batch} ({MIN_FEEDS}+ feeds, {MIN_HELD_BACK_ITEMS}+ items held back)")
