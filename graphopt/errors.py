@@ -60,6 +60,12 @@ class ModelSaveError(GraphoptError):
     """The output cannot be written (bad path, output equal to input, ...)."""
 
 
+class OutputPathError(ModelSaveError, UsageError):
+    """An output path that cannot be used, such as the input itself: a usage error (exit 2), found before any work."""
+
+    exit_code = EXIT_USAGE
+
+
 class RecipeError(UsageError):
     """A recipe file or a --passes/--set value is malformed."""
 

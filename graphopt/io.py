@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from graphopt.errors import MissingFileError, ModelLoadError, ModelSaveError, first_line
+from graphopt.errors import MissingFileError, ModelLoadError, ModelSaveError, OutputPathError, first_line
 from graphopt.interrupt import uninterrupted
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,51 @@ def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot read the ONNX graph: {e}") from None
     ir.external_data.set_base_dir(model.graph, str(path.parent))
+    notes = normalize(model)
+    if notes:
+        logger.info("%s: normalized on load: %s", path, "; ".join(notes))
     return model
+
+
+#: ``model.meta`` key (kept in memory, never saved) listing what :func:`normalize` changed on load
+NORMALIZED = "graphopt.normalized"
+
+
+def _unsorted(graph: ir.Graph) -> bool:
+    """Whether a node of ``graph`` (or of a subgraph) reads a value produced by a later node."""
+    seen: set[int] = set()
+    for node in graph:
+        for v in node.inputs:
+            if v is not None and v.producer() is not None and v.producer().graph is graph and id(v.producer()) not in seen:
+                return True
+        seen.add(id(node))
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH and _unsorted(attr.value):
+                return True
+            if attr.type == ir.AttributeType.GRAPHS and any(_unsorted(g) for g in attr.value):
+                return True
+    return False
+
+
+def normalize(model: ir.Model) -> list[str]:
+    """Bring a model that ONNX Runtime accepts but the ONNX checker refuses into checker form, in place.
+
+    Today: nodes out of topological order (ORT runs them; the checker says "Nodes in a graph must be
+    topologically sorted") are sorted, stably. Returns what was done, one phrase each, and records it in
+    ``model.meta[NORMALIZED]`` for the report; a model already in form is left untouched.
+    """
+    notes = []
+    if _unsorted(model.graph) or any(_unsorted(f) for f in model.functions.values()):
+        try:
+            model.graph.sort()
+            for f in model.functions.values():
+                f.sort()
+        except ValueError as e:
+            raise ModelLoadError(f"the graph has a cycle and cannot be sorted: {first_line(e)}") from None
+        notes.append("nodes sorted into topological order")
+    if notes:
+        model.meta[NORMALIZED] = list(notes)
+    return notes
 
 
 def _iter_tensor_protos(graph: onnx.GraphProto):
@@ -196,7 +240,7 @@ def check_output_path(src: str | os.PathLike | None, dst: str | os.PathLike, *, 
     if src is not None and not in_place:
         s = Path(src)
         if s.exists() and (dst.resolve() == s.resolve() or (dst.exists() and os.path.samefile(s, dst))):
-            raise ModelSaveError(
+            raise OutputPathError(
                 f"{dst}: output path is the input path", hint="choose another -o, or pass --in-place"
             )
     parent = dst.resolve().parent

@@ -15,6 +15,12 @@ form exists, read here once from its private location:
 - ``FUSION_PLACEHOLDER_DOMAIN``: the domain onnxscript's ort_fusions give their intermediate
   placeholder ops (SDPA, a rotary form) until later rules map them to contrib ops; kept in
   ``graphopt.opsets`` (no onnxscript import there) and re-exported here so the test checks it.
+- ``exact_identity_constants``: onnxscript's pattern constants match within ``math.isclose`` tolerances
+  (``rel_tol=1e-5, abs_tol=1e-8``, private attributes of ``onnxscript.rewriter._pattern_ir.Constant``), so its
+  ``x + 0`` no-op rule also matches ``x + 1e-10`` and drops an epsilon guard (``Log(x*x + 1e-10)`` becomes
+  ``Log(x*x)``: NaN on silence). A pattern constant equal to 0 or 1, the identities a rule may drop, is made to
+  match only exactly. Applied here, at import, to the default rules (the same objects
+  ``onnxscript.optimizer.optimize`` runs), and by ``fuse`` to every rule set it runs.
 - ``get_numpy_value`` / ``get_singleton_value`` / ``check_shape_bool``: the small helpers of
   onnxscript's private ``_ir_utils`` / ``_fusion_utils``, written against public API.
 
@@ -43,6 +49,7 @@ __all__ = [
     "FUSION_PLACEHOLDER_DOMAIN",
     "FoldConstantsPass",
     "check_shape_bool",
+    "exact_identity_constants",
     "get_numpy_value",
     "get_singleton_value",
     "mha_scale_rules",
@@ -61,8 +68,44 @@ def _default_rules() -> tuple[pattern.RewriteRule, ...]:
     return tuple(rewriter._DEFAULT_REWRITE_RULES)
 
 
-#: onnxscript's default rewrite rules (no-op removal, shape-chain simplification, ...)
+def _rules_of(rules) -> list[pattern.RewriteRule]:
+    if isinstance(rules, pattern.RewriteRuleSet):
+        return list(rules.rules)
+    if isinstance(rules, pattern.RewriteRule):
+        return [rules]
+    return [r for item in rules for r in _rules_of(item)]
+
+
+def exact_identity_constants(rules) -> int:
+    """Make every pattern constant of ``rules`` (a rule, a rule set or a sequence of them) that equals 0 or 1
+    match only that exact value, in place; returns how many constants were tightened.
+
+    A rule that drops an operand (``x + 0``, ``x * 1``, ``x - 0``, ``x / 1``) then fires only when the operand is
+    the identity exactly, never on a guard such as ``+ 1e-10`` or a scale of ``1.000001``.
+    """
+    from onnxscript.rewriter import _pattern_ir
+
+    def identity(v) -> bool:
+        vals = v if isinstance(v, list) else [v]
+        return bool(vals) and all(isinstance(x, (int, float)) and x in (0, 1) for x in vals)
+
+    tightened = 0
+    for rule in _rules_of(rules):
+        target = getattr(rule, "_target_pattern", None)
+        if target is None:
+            continue
+        for node in target:
+            for value in node.inputs:
+                if isinstance(value, _pattern_ir.Constant) and identity(value.value) and (
+                        value._rel_tol or value._abs_tol):
+                    value._rel_tol = value._abs_tol = 0.0
+                    tightened += 1
+    return tightened
+
+
+#: onnxscript's default rewrite rules (no-op removal, shape-chain simplification, ...), identity constants exact
 DEFAULT_REWRITE_RULES: tuple[pattern.RewriteRule, ...] = _default_rules()
+exact_identity_constants(DEFAULT_REWRITE_RULES)
 
 _fold_params = inspect.signature(optimizer.fold_constants_ir).parameters
 #: constant folding skips ops with an input larger than this (onnxscript's default)

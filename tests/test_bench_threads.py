@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from graphopt import bench as bench_mod
 from graphopt import io
 from graphopt.bench import BenchResult, bench_thread_counts, bench_thread_pairs, paired_scaling, scaling
+from graphopt.bench import session_bench as bench_mod
 from graphopt.data.feeds import runnable
 from graphopt.runtime import session as runtime
 

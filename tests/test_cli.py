@@ -22,6 +22,15 @@ def test_help_is_fast_and_lists_commands():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("command", ["optimize", "passes", "inspect", "verify", "bench", "export", "feeds", "deploy",
+                                     "serve", "diff"])
+def test_help_shows_no_python_reprs(run_cli, command):
+    """Every option's value shows as a choice or type name, never as a Python object (``<typing.Annotated[...]>``)."""
+    code, out, err = run_cli(command, "--help")
+    assert code == 0, err
+    assert "typing." not in out and " object at 0x" not in out and "<class " not in out, out
+
+
 def test_passes_json(run_cli):
     code, out, _ = run_cli("passes", "--json")
     assert code == 0

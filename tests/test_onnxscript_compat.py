@@ -110,3 +110,56 @@ def test_fold_constants_pass_folds_and_reports():
     folded = compat.get_numpy_value(model.graph.node(-1).inputs[1])
     np.testing.assert_array_equal(folded, np.full((2, 2), 3.0, np.float32))
     assert not compat.FoldConstantsPass()(model).modified
+
+
+def _guarded_log(eps: float, as_node: bool) -> ir.Model:
+    """``Log(x * x + eps)``: the guard keeps silence (x = 0) finite."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"])]
+    inits = []
+    if as_node:
+        nodes.append(helper.make_node("Constant", [], ["eps"], value=helper.make_tensor("v", TensorProto.FLOAT, [], [eps])))
+    else:
+        inits.append(helper.make_tensor("eps", TensorProto.FLOAT, [], [eps]))
+    nodes += [helper.make_node("Add", ["sq", "eps"], ["s"]), helper.make_node("Log", ["s"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    proto.ir_version = 9
+    onnx.checker.check_model(proto)
+    return ir.serde.deserialize_model(proto)
+
+
+def test_identity_constants_match_exactly():
+    """onnxscript's ``x + 0`` rule (abs_tol 1e-8 upstream) no longer drops an epsilon guard."""
+    from onnxscript.rewriter.rules.common import _no_op
+
+    from graphopt.onnxscript_compat import DEFAULT_REWRITE_RULES, exact_identity_constants
+
+    assert any(r in DEFAULT_REWRITE_RULES for r in _no_op.rules.rules)
+    assert exact_identity_constants(DEFAULT_REWRITE_RULES) == 0  # already applied at import
+    for as_node in (True, False):
+        model = _guarded_log(1e-10, as_node)
+        assert _no_op.rules.apply_to_model(model) == 0
+        assert [n.op_type for n in model.graph if n.op_type != "Constant"] == ["Mul", "Add", "Log"]
+    model = _guarded_log(0.0, as_node=False)  # a real `+ 0` still goes
+    assert _no_op.rules.apply_to_model(model) == 1
+
+
+def test_epsilon_guard_survives_optimize(tmp_path):
+    """The default recipe keeps ``Log(x*x + 1e-10)`` exact: silence stays finite and equal to the input model."""
+    import onnxruntime as ort
+
+    from graphopt.cli.main import main
+
+    for as_node in (True, False):
+        src, out = tmp_path / f"guard{as_node}.onnx", tmp_path / f"guard{as_node}.opt.onnx"
+        ir.save(_guarded_log(1e-10, as_node), src)
+        assert main(["optimize", str(src), "-o", str(out)]) == 0
+        feeds = {"x": np.zeros((2, 16), np.float32)}
+        ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        assert np.isfinite(ref).all() and np.isfinite(got).all()
+        np.testing.assert_allclose(got, ref, rtol=1e-6)

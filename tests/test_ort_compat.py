@@ -37,3 +37,12 @@ def test_disagreement_is_reported(releases):
               if r["cpu_contrib"] is not None else r for r in releases]
     assert any(line.startswith("GroupQueryAttention:") for line in tool.disagreements(no_gqa))
     assert "GroupQueryAttention" in CONTRIB_SINCE
+
+
+def test_private_kernel_listing_resolves():
+    """``kernel_defs`` (ORT's private kernel registry, read only in ort_compat) lists the CPU kernels graphopt relies on."""
+    from graphopt.runtime.ort_compat import KERNEL_PROBE, kernel_defs
+
+    cpu = {(k.domain, k.op_name) for k in kernel_defs() if k.provider == "CPUExecutionProvider"}
+    assert ("com.microsoft", "MatMulNBits") in cpu and ("", "MatMul") in cpu
+    assert "get_all_opkernel_def" in KERNEL_PROBE

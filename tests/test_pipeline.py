@@ -259,6 +259,32 @@ def test_default_recipe_has_every_lossless_pass():
     assert all(registry.get(n).exact for n in names)
 
 
+def test_recipe_descriptions_say_their_steps():
+    """A builtin recipe that says it starts with "the default recipe" runs the default recipe's steps first; the
+    README names each recipe's lossless steps as the recipe runs them."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name in recipe.builtin_names():
+        for provider in ("cpu", "cuda"):
+            r = recipe.load(name, provider=provider)
+            steps = r.pass_names()
+            if r.description.lower().startswith(("the default recipe", "the cuda default recipe")):
+                base = recipe.load("default", provider=provider).pass_names()
+                assert steps[: len(base)] == base, (name, provider, r.description)
+        described = re.search(rf"`{re.escape(name)}` \(([^)]*)", " ".join(readme.split()))
+        assert described, f"README does not describe the {name} recipe"
+        text = described.group(1)
+        steps, base = recipe.load(name).pass_names(), recipe.load("default").pass_names()
+        if "the default recipe" in text:
+            assert steps[: len(base)] == base, (name, text)
+        elif name != "default" or "every lossless pass" not in text:
+            lossless = [s for s in steps if registry.get(s).exact]
+            for step in base:
+                assert (f"`{step}`" in text) == (step in lossless), (name, step, text)
+
+
 def test_verify_structure_level_skips_numerics(mlp_path):
     res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-corrupt-weight", verify_level="structure"))
     assert res.ok  # structure cannot see a numeric bug; numeric level does (test above)

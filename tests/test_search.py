@@ -18,6 +18,7 @@ from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import compare, parse_budget
 from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError, VerificationError
+from graphopt.search.trials import _from_bytes
 
 
 def _mlp_feeds(n: int = 6, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -123,7 +124,7 @@ def test_api_search_declines_and_reasons(mlp):
         return
     assert res.recipe.steps[-1].pass_name == "quantize"
     # the budget is checked against the input model's outputs on the held-back feeds
-    model = search._from_bytes(res.chosen.model)
+    model = _from_bytes(res.chosen.model)
     feeds = feeds_mod.load_dir(calib)
     held = feeds[len(feeds) // 2:]
     c = compare(list(run_model(model, held)), list(run_model(str(path), held)), held)

@@ -82,8 +82,11 @@ def main() -> None:
     ap.add_argument("--floor-gb", type=float, default=2.5)
     ap.add_argument("--json", type=Path, help="append each result to this JSON-lines file")
     args = ap.parse_args()
-    print("| model | config | weights GB | wall s | s / GB | peak GB | peak / file | load before/after | rc |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    from graphopt.bench.harness import Table
+
+    table = Table(["model", "config", "weights GB", "wall s", "s / GB", "peak GB", "peak / file", "load before/after",
+                   "rc"])
+    table.header()
     for m in args.models:
         for c in args.configs.split(","):
             r = run(m, c, int(args.floor_gb * 1e9))
@@ -91,8 +94,8 @@ def main() -> None:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(r) + "\n")
             note = " (stopped: memory floor)" if r["stopped"] else ""
-            print(f"| {r['model']} | {c} | {r['weights_gb']:.2f} | {r['wall_s']} | {r['s_per_gb']} | {r['peak_gb']} | "
-                  f"{r['peak_per_file']}x | {r['load_before']}/{r['load_after']} | {r['rc']}{note} |", flush=True)
+            table.row(r["model"], c, f"{r['weights_gb']:.2f}", r["wall_s"], r["s_per_gb"], r["peak_gb"],
+                      f"{r['peak_per_file']}x", f"{r['load_before']}/{r['load_after']}", f"{r['rc']}{note}")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,7 @@ thread) times the calling thread's CPU time, so waiting for a core other jobs ho
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
-import statistics
 import sys
 import tempfile
 import time
@@ -30,23 +27,12 @@ sys.path.insert(0, str(REPO / "models"))
 
 import corpus  # noqa: E402
 
-from graphopt import bench, io  # noqa: E402
+from graphopt import io  # noqa: E402
+from graphopt.bench import harness, session_bench  # noqa: E402
 from graphopt.engine import pipeline  # noqa: E402
 from graphopt.engine.options import OptimizeOptions  # noqa: E402
-from graphopt.runtime import session as runtime  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-
-def _repeat_for(sess, feeds, round_ms: float) -> int:
-    t0 = time.perf_counter()
-    n = 0
-    while time.perf_counter() - t0 < 0.05 or n < 3:
-        for f in feeds:
-            sess.run(None, f)
-        n += 1
-    per = (time.perf_counter() - t0) / n
-    return max(1, math.ceil(round_ms / 1e3 / per))
 
 
 def bench_entry(entry, *, rounds: int, threads: int, clock: str, round_ms: float, workdir: Path) -> dict:
@@ -67,20 +53,17 @@ def bench_entry(entry, *, rounds: int, threads: int, clock: str, round_ms: float
     out = io.save(res.model, workdir / f"{entry.name}.opt.onnx")
     row["nodes"] = f"{res.report.nodes_before} -> {res.report.nodes_after}"
     row["final"] = res.report.final
-    sessions = {
-        name: runtime.make_session(p, threads=threads, optimize=True, spinning=False)
-        for name, p in (("original", src), ("optimized", out))
-    }
-    repeat = _repeat_for(sessions["original"], feeds, round_ms)
-    results = bench.bench_sessions(sessions, feeds * repeat, rounds=rounds, warmup=2, clock=clock)
-    by = {r.name: r for r in results}
-    ratios = [a / b for a, b in zip(by["original"].round_seconds, by["optimized"].round_seconds) if b > 0]
+    sessions = session_bench.open_sessions({"original": src, "optimized": out}, threads=threads, optimize=True)
+    repeat = harness.repeats_for(lambda: [sessions["original"].run(None, f) for f in feeds], round_ms / 1e3)
+    by = harness.by_name(session_bench.bench_sessions(sessions, feeds * repeat, rounds=rounds, warmup=2,
+                                                      clock=clock))
+    ratios = harness.paired_ratios(by["original"], by["optimized"])
     calls = len(feeds) * repeat
     row.update({
         "original_ms": 1e3 * by["original"].p50 / calls,
         "optimized_ms": 1e3 * by["optimized"].p50 / calls,
-        "speedup": statistics.median(ratios),
-        "speedup_p10_p90": [statistics.quantiles(ratios, n=10)[0], statistics.quantiles(ratios, n=10)[-1]],
+        "speedup": harness.median(ratios),
+        "speedup_p10_p90": [harness.percentile(ratios, 10), harness.percentile(ratios, 90)],
         "rounds": len(ratios),
         "runs_per_round": calls,
     })
@@ -116,18 +99,18 @@ def main() -> None:
                 print(f"{e.name:20} {row['nodes']:>12}  orig {row['original_ms']:8.3f} ms  opt {row['optimized_ms']:8.3f} ms"
                       f"  speedup {row['speedup']:.3f} (p10-p90 {lo:.2f}-{hi:.2f}, {row['rounds']} rounds)", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1,
-                                        default=str))
+        harness.write_json(args.json, {"args": vars(args) | {"json": str(args.json)}, "rows": rows}, default=str)
     print()
-    print("| model | kind | nodes | original ms/run | optimized ms/run | speedup (median paired) | p10-p90 |")
-    print("|---|---|---|---|---|---|---|")
+    table = harness.Table(["model", "kind", "nodes", "original ms/run", "optimized ms/run", "speedup (median paired)",
+                           "p10-p90"])
+    table.header()
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['kind']} | — | — | — | error: {r['error']} | |")
+            table.row(r["model"], r["kind"], "—", "—", "—", f"error: {r['error']}", "")
         else:
             lo, hi = r["speedup_p10_p90"]
-            print(f"| {r['model']} | {r['kind']} | {r['nodes']} | {r['original_ms']:.3f} | {r['optimized_ms']:.3f} "
-                  f"| {r['speedup']:.3f} | {lo:.2f}-{hi:.2f} |")
+            table.row(r["model"], r["kind"], r["nodes"], f"{r['original_ms']:.3f}", f"{r['optimized_ms']:.3f}",
+                      f"{r['speedup']:.3f}", f"{lo:.2f}-{hi:.2f}")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         r = EarlyExit(layers=str(k), threshold=0.0, exit_output="exit_layer")(m, PassContext(calib_feeds=calib))
         if r.modified:
             variants[f"at-L{k}"] = m
-    sessions = {n: runtime.make_session(m, threads=1, spinning=False) for n, m in variants.items()}
+    sessions = bench.open_sessions(variants)
     # fidelity on held-back data
     ref = runtime.run(sessions["full"], held)
     rows = {}
@@ -146,18 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     b32 = bench.bench_sessions({n: sessions[n] for n in b32_names if n in sessions}, held, rounds=args.rounds,
                                clock="cpu")
     for res, key in ((b1, "batch1"), (b32, "batch32")):
-        base = res[0].p50
-        for r in res:
+        for r, speedup in zip(res, bench.speedups(res).values()):
             rows[r.name][f"{key}_ms"] = 1e3 * r.p50 / len(one if key == "batch1" else held)
-            rows[r.name][f"{key}_speedup"] = base / r.p50
-    print("| variant | top1 @b1 | exits L1..L6 @b1 | batch 1 ms/sentence | speedup b1 | top1 @b32 | "
-          "exits L1..L6 @b32 | batch 32 ms/batch | speedup b32 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+            rows[r.name][f"{key}_speedup"] = speedup
+    table = bench.Table(["variant", "top1 @b1", "exits L1..L6 @b1", "batch 1 ms/sentence", "speedup b1", "top1 @b32",
+                         "exits L1..L6 @b32", "batch 32 ms/batch", "speedup b32"])
+    table.header()
     for n, r in rows.items():
-        b1s = f"{r['batch1_ms']:.2f} | {r['batch1_speedup']:.2f}x" if "batch1_ms" in r else "- | -"
-        b32s = f"{r['batch32_ms']:.1f} | {r['batch32_speedup']:.2f}x" if "batch32_ms" in r else "- | -"
-        print(f"| {n} | {r['agreement_b1']:.4f} | {r.get('histogram_b1', '-')} | {b1s} | {r['agreement']:.4f} | "
-              f"{r['histogram']} | {b32s} |")
+        b1s = [f"{r['batch1_ms']:.2f}", f"{r['batch1_speedup']:.2f}x"] if "batch1_ms" in r else ["-", "-"]
+        b32s = [f"{r['batch32_ms']:.1f}", f"{r['batch32_speedup']:.2f}x"] if "batch32_ms" in r else ["-", "-"]
+        table.row(n, f"{r['agreement_b1']:.4f}", r.get("histogram_b1", "-"), *b1s, f"{r['agreement']:.4f}",
+                  r["histogram"], *b32s)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "notes": notes}, indent=2) + "\n")
     if args.plot:

@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING)
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import BenchResult, bench_sessions, print_table
     from graphopt.runtime.session import make_session
 
     exports = EXPORTS if args.exports == "all" else [tuple(e.split("-")) for e in args.exports.split(",")]
@@ -147,28 +146,26 @@ def main(argv: list[str] | None = None) -> int:
                 sessions[key] = make_session(src, threads=1, spinning=False, optimize=True)
                 ops[key] = _fused_ops(src) if kind != "baseline" else "-"
                 logger.info("%s %s ready in %.1fs", *key, time.perf_counter() - t)
-        times: dict[str, dict[tuple[str, str], list[float]]] = {"1x128": {}, "b32": {}}
+        times: dict[str, dict[tuple[str, str], BenchResult]] = {"1x128": {}, "b32": {}}
         for wl, rounds in (("1x128", args.rounds_1x128), ("b32", args.rounds_b32)):
             by_name = {f"{e} {k}": sess for (e, k), sess in sessions.items()}
             results = bench_sessions(by_name, [feeds[wl]], rounds=rounds, warmup=1, clock=args.clock)
             for key, res in zip(sessions, results, strict=True):
-                times[wl][key] = res.round_seconds
+                times[wl][key] = res
     rows = []
     for key in sessions:
         exp, kind = key
         base = (exp, "baseline")
         row = {"export": exp, "variant": kind, "fused": ops[key]}
         for wl in times:
-            med = statistics.median(times[wl][key]) * 1e3
-            row[f"{wl}_ms"] = round(med, 2)
-            row[f"{wl}_speedup"] = round(statistics.median(times[wl][base]) * 1e3 / med, 3) if base in sessions else None
+            res = times[wl][key]
+            row[f"{wl}_ms"] = round(res.p50 * 1e3, 2)
+            row[f"{wl}_speedup"] = round(res.speedup_over(times[wl][base]), 3) if base in sessions else None
         rows.append(row)
     print(f"clock: {args.clock}")
-    print("| export | variant | 1x128 ms | vs baseline | b32 ms | vs baseline | contrib ops |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['export']} | {r['variant']} | {r['1x128_ms']:.2f} | {r['1x128_speedup']:.2f}x | "
-              f"{r['b32_ms']:.1f} | {r['b32_speedup']:.2f}x | {r['fused']} |")
+    print_table(["export", "variant", "1x128 ms", "vs baseline", "b32 ms", "vs baseline", "contrib ops"],
+                [[r["export"], r["variant"], f"{r['1x128_ms']:.2f}", f"{r['1x128_speedup']:.2f}x", f"{r['b32_ms']:.1f}",
+                  f"{r['b32_speedup']:.2f}x", r["fused"]] for r in rows])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

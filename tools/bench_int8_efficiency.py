@@ -57,6 +57,7 @@ def profile(path: str, feeds: list[dict[str, np.ndarray]], runs: int = 2) -> dic
     each feed as (node, M, K, N, has_bias) in execution order."""
     import onnxruntime as ort
 
+    from graphopt.bench.harness import round_robin
     from graphopt.runtime import session as runtime
 
     with tempfile.TemporaryDirectory(prefix="int8eff-prof-") as d:
@@ -65,11 +66,9 @@ def profile(path: str, feeds: list[dict[str, np.ndarray]], runs: int = 2) -> dic
         so.profile_file_prefix = os.path.join(d, "p")
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         wanted = {i.name for i in sess.get_inputs()}
-        for f in feeds:  # warm-up, not profiled separately: ORT profiles every run, we drop the first round
-            sess.run(None, {k: v for k, v in f.items() if k in wanted})
-        for _ in range(runs):
-            for f in feeds:
-                sess.run(None, {k: v for k, v in f.items() if k in wanted})
+        # one warm-up round, not profiled separately: ORT profiles every run, we drop the first round
+        round_robin({"profile": [lambda f=f: sess.run(None, {k: v for k, v in f.items() if k in wanted})
+                                 for f in feeds]}, rounds=runs, warmup=1)
         events = json.load(open(sess.end_profiling()))
     model_runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
     first_timed = model_runs[len(feeds)]["ts"] if len(model_runs) > len(feeds) else 0
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     import workload
 
     from graphopt import io
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import Table, bench_sessions, print_table
     from graphopt.runtime import session as runtime
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm.source_folder())
@@ -242,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {r.name: r for r in bench_sessions(sessions, feeds, rounds=args.rounds, warmup=1, clock=args.clock)}
     print(f"\n{len(held)} held-back batches of 32 per round, {args.rounds} rounds, clock {args.clock}, 1 thread; "
           f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    print("\n| model | round ms | sentences/s | int8 GEMM GOP/round | model GOP/s | GEMMs alone GOP/s (MMI2F) | "
-          "**efficiency** | token cos / min | sentence cos / min |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print()
+    table = Table(["model", "round ms", "sentences/s", "int8 GEMM GOP/round", "model GOP/s", "GEMMs alone GOP/s (MMI2F)",
+                   "**efficiency**", "token cos / min", "sentence cos / min"])
+    table.header()
     for i, row in enumerate(rows):
         r = results[row["model"]]
         alone = results[f"{row['model']}: GEMMs alone (MatMulIntegerToFloat)"]
@@ -254,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         if i == 0:
             mmi = results[f"{row['model']}: GEMMs alone (MatMulInteger)"]
             row.update(alone_matmulinteger_gops=gop / mmi.p50, efficiency_vs_matmulinteger=mmi.p50 / r.p50)
-        print(f"| {row['model']} | {row['round_ms']:.1f} | {row['sentences_per_s']:.1f} | {gop:.2f} | "
-              f"{row['model_gops']:.0f} | {row['alone_gops']:.0f} | **{row['efficiency']:.1%}** | "
-              f"{row['token_cosine']:.4f} / {row['token_cosine_min']:.4f} | "
-              f"{row['sentence_cosine']:.4f} / {row['sentence_cosine_min']:.4f} |")
+        table.row(row["model"], f"{row['round_ms']:.1f}", f"{row['sentences_per_s']:.1f}", f"{gop:.2f}",
+                  f"{row['model_gops']:.0f}", f"{row['alone_gops']:.0f}", f"**{row['efficiency']:.1%}**",
+                  f"{row['token_cosine']:.4f} / {row['token_cosine_min']:.4f}",
+                  f"{row['sentence_cosine']:.4f} / {row['sentence_cosine_min']:.4f}")
     if "alone_matmulinteger_gops" in rows[0]:
         print(f"\n(first model: GEMMs alone as MatMulInteger, int32 out: {rows[0]['alone_matmulinteger_gops']:.0f} GOP/s; "
               f"efficiency against it {rows[0]['efficiency_vs_matmulinteger']:.1%})")
@@ -267,11 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         gemm = sum(v for k, v in prof["per_op_ms"].items() if k in GEMM_OPS)
         print(f"\nprofile of {row['model']} (ORT, 1 thread, per round): model_run {prof['run_ms']:.1f} ms, kernels "
               f"{tot:.1f} ms, int8 GEMM kernels {gemm:.1f} ms ({gemm / tot:.1%}); {row['gemms_per_batch']} GEMMs per batch")
-        print("| op | ms / round | share of kernel time | calls / round |")
-        print("|---|---|---|---|")
-        for op, ms in prof["per_op_ms"].items():
-            if ms / tot >= 0.003:
-                print(f"| {op} | {ms:.1f} | {ms / tot:.1%} | {prof['calls'][op]} |")
+        print_table(["op", "ms / round", "share of kernel time", "calls / round"],
+                    [[op, f"{ms:.1f}", f"{ms / tot:.1%}", prof["calls"][op]] for op, ms in prof["per_op_ms"].items()
+                     if ms / tot >= 0.003])
         del prof["gemms"]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -119,6 +119,7 @@ def main() -> int:
     ap.add_argument("--only", choices=("diff", "optimize"), default=None)
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
+    from graphopt.bench.harness import print_table
     sys.path.insert(0, str(ROOT / "models"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import minilm
@@ -147,10 +148,7 @@ def main() -> int:
             rows.append((what, n, peak, f"{r['wall']:.0f} s", r["rc"]))
             print(f"{what:9s} {n:3d} feeds: peak RSS {peak}, {r['wall']:.0f} s, exit {r['rc']}", flush=True)
     print(f"\nMiniLM {args.exporter}/{args.attn}, feeds of {BATCH} sentences (tools/workload.py)\n")
-    print("| command | feeds | peak RSS | wall |")
-    print("|---|---:|---:|---:|")
-    for what, n, peak, wall, _ in rows:
-        print(f"| {what} | {n} | {peak} | {wall} |")
+    print_table(["command", "feeds", "peak RSS", "wall"], [r[:4] for r in rows], align="lrrr")
     return 0
 
 

@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args(argv)
 
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import Table, bench_sessions
     from graphopt.runtime.session import make_session
 
     sessions = {f: make_session(chain(f), threads=1, spinning=False, level="basic" if f.endswith("@basic") else None)
                 for f in FORMS}
     rng = np.random.default_rng(1)
-    print("| form | " + " | ".join(f"{b}x{s} ms" for b, s in ((1, 128), (32, 68))) + " |")
-    print("|---|---|---|")
+    table = Table(["form", *(f"{b}x{s} ms" for b, s in ((1, 128), (32, 68)))])
+    table.header()
     rows: dict[str, list[str]] = {f: [] for f in FORMS}
     for shape in ((1, 128), (32, 68)):
         feed = {"x": rng.standard_normal((*shape, HIDDEN)).astype(np.float32),
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in bench_sessions(sessions, [feed], rounds=args.rounds, warmup=2, clock="cpu"):
             rows[r.name].append(f"{r.p50 * 1e3:.2f}")
     for f in FORMS:
-        print(f"| {f} | " + " | ".join(rows[f]) + " |")
+        table.row(f, *rows[f])
     return 0
 
 

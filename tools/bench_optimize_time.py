@@ -2,7 +2,7 @@
 """How long `graphopt optimize` (default recipe, numeric verification) takes on MiniLM.
 
 Runs the CLI as a user would (a fresh process each time, so imports count) on each MiniLM export,
-``--repeat`` times, and prints the median wall time per export. Goal: under 10 s on the 2-vCPU VM.
+``--repeat`` times (the exports taking turns, round-robin), and prints the median wall time per export. Goal: under 10 s on the 2-vCPU VM.
 
     .venv/bin/python tools/bench_optimize_time.py [--repeat 3] [--variants dynamo-sdpa,torchscript-eager]
 """
@@ -10,12 +10,12 @@ Runs the CLI as a user would (a fresh process each time, so imports count) on ea
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from graphopt.bench.harness import print_table, round_robin
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "models"))
@@ -29,21 +29,15 @@ def main() -> None:
     import minilm  # noqa: PLC0415
 
     graphopt = str(Path(sys.executable).with_name("graphopt"))
-    rows = []
-    for v in args.variants.split(","):
-        exporter, attn = v.split("-")
-        src = minilm.build(exporter, attn)
-        times = []
-        with tempfile.TemporaryDirectory() as d:
-            for _ in range(args.repeat):
-                t0 = time.perf_counter()
-                subprocess.run([graphopt, "optimize", str(src), "-o", f"{d}/o.onnx", "-q"], check=True)
-                times.append(time.perf_counter() - t0)
-        rows.append((v, statistics.median(times), min(times), max(times)))
-    print("| export | median s | min s | max s |")
-    print("|---|---|---|---|")
-    for v, med, lo, hi in rows:
-        print(f"| {v} | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    variants = args.variants.split(",")
+    sources = {v: minilm.build(*v.split("-")) for v in variants}
+    with tempfile.TemporaryDirectory() as d:
+        calls = {v: (lambda src=src, v=v: subprocess.run([graphopt, "optimize", str(src), "-o", f"{d}/{v}.onnx", "-q"],
+                                                         check=True))
+                 for v, src in sources.items()}
+        results = round_robin(calls, rounds=args.repeat, warmup=0)
+    print_table(["export", "median s", "min s", "max s"],
+                [[r.name, f"{r.p50:.2f}", f"{r.best:.2f}", f"{r.worst:.2f}"] for r in results])
 
 
 if __name__ == "__main__":

@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+
+from graphopt.bench.harness import BenchResult, Table, by_name, round_robin
+from graphopt.bench.session_bench import open_sessions
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("bench_padding")
@@ -129,28 +130,12 @@ class OneByOne:
             self.sess.run(outputs, {k: v[i : i + 1, keep] for k, v in batch.items()})
 
 
-def timed_rounds(sessions: dict, batches: list[dict], rounds: int) -> dict[str, list[float]]:
-    """Per round, the total time of every batch per variant, interleaved at batch granularity.
-
-    Each batch is run once by every variant before the next batch (the variant order rotates), so a
-    slow phase of the shared machine hits all variants alike.
-    """
-    names = list(sessions)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for name in names:  # warm-up
-        sessions[name].run(None, batches[0])
-    k = 0
-    for _ in range(rounds):
-        total = dict.fromkeys(names, 0.0)
-        for b in batches:
-            k += 1
-            for name in names[k % len(names):] + names[: k % len(names)]:
-                t = time.perf_counter()
-                sessions[name].run(None, b)
-                total[name] += time.perf_counter() - t
-        for name in names:
-            times[name].append(total[name])
-    return times
+def timed_rounds(sessions: dict, batches: list[dict], rounds: int) -> dict[str, BenchResult]:
+    """Per round, the total time of every batch per variant, interleaved at batch granularity (the
+    harness's ``by_step``): each batch is run once by every variant before the next batch (the variant
+    order rotates), so a slow phase of the shared machine hits all variants alike. One warm-up round."""
+    steps = {name: [lambda s=s, b=b: s.run(None, b) for b in batches] for name, s in sessions.items()}
+    return by_name(round_robin(steps, rounds=rounds, warmup=1, by_step=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     from graphopt.data.metrics import compare
-    from graphopt.runtime.session import make_session, run
+    from graphopt.runtime.session import run
 
     src = model_path(args.exporter, args.attn)
     seqs, source = workload(args.batch * args.batches, args.seed)
@@ -186,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = tuple(int(g) for g in args.compare_groups.split(",") if g.strip())
     models = build_variants(src, extra)
-    sessions = {n: make_session(m, threads=1, spinning=False) for n, m in models.items()}
+    sessions = open_sessions(models)
     ref = run(sessions["padded"], batches[:2])
     for name, sess in list(sessions.items()):
         c = compare(run(sess, batches[:2]), ref, batches[:2])
@@ -195,33 +180,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.one_by_one:
         sessions["one-by-one"] = OneByOne(sessions["fused" if "fused" in sessions else "padded"])
     times = timed_rounds(sessions, batches, args.rounds)
-    med = {n: statistics.median(t) for n, t in times.items()}
+    med = {n: t.p50 for n, t in times.items()}
     base = "fused" if "fused" in med else "padded"
     n_sent = len(seqs)
     print(f"\nvariable-length batches ({args.rounds} rounds, median; ratio vs {base}):")
-    print("| variant | sentences/s | ms/batch | vs padded | vs fused |")
-    print("|---|---|---|---|---|")
+    table = Table(["variant", "sentences/s", "ms/batch", "vs padded", "vs fused"])
+    table.header()
     for n in med:
         rate = n_sent / med[n]
         vf = f"{med['fused'] / med[n]:.2f}x" if "fused" in med else "-"
-        print(f"| {n} | {rate:.1f} | {1000 * med[n] / len(batches):.1f} | {med['padded'] / med[n]:.2f}x | {vf} |")
+        table.row(n, f"{rate:.1f}", f"{1000 * med[n] / len(batches):.1f}", f"{med['padded'] / med[n]:.2f}x", vf)
 
     if args.equal_len:
         rng = np.random.default_rng(args.seed + 1)
         eq = make_batch([rng.integers(1000, 30000, size=args.equal_len).astype(np.int64) for _ in range(args.batch)])
         sessions.pop("one-by-one", None)
         t_eq = timed_rounds(sessions, [eq], args.equal_reps)  # one run per variant per round, interleaved
-        m_eq = {n: statistics.median(t) for n, t in t_eq.items()}
-        b_eq = {n: min(t) for n, t in t_eq.items()}
+        m_eq = {n: t.p50 for n, t in t_eq.items()}
+        b_eq = {n: t.best for n, t in t_eq.items()}
         print(f"\nno padding (batch {args.batch} x {args.equal_len} tokens, {args.equal_reps} interleaved runs):")
-        print("| variant | median ms | best ms | vs same model without remove-padding (median / best) |")
-        print("|---|---|---|---|")
+        table = Table(["variant", "median ms", "best ms", "vs same model without remove-padding (median / best)"])
+        table.header()
         for n in m_eq:
             rel = "-"
             base_n = "padded" if n == "rp-unfused" else "fused" if n.startswith("rp-fused") else None
             if base_n in m_eq:
                 rel = f"{m_eq[base_n] / m_eq[n]:.3f}x / {b_eq[base_n] / b_eq[n]:.3f}x"
-            print(f"| {n} | {1000 * m_eq[n]:.1f} | {1000 * b_eq[n]:.1f} | {rel} |")
+            table.row(n, f"{1000 * m_eq[n]:.1f}", f"{1000 * b_eq[n]:.1f}", rel)
     groups = f" --compare-groups {args.compare_groups}" if args.compare_groups else ""
     groups += " --one-by-one" if args.one_by_one else ""
     print(f"\ncommand: python tools/bench_padding.py --exporter {args.exporter} --attn {args.attn} "

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnx_ir as ir
 
     from graphopt import io
+    from graphopt.bench.harness import Table
     from graphopt.data import feeds as feeds_mod
     from graphopt.data.metrics import compare
     from graphopt.engine import pipeline
@@ -78,14 +79,17 @@ def main(argv: list[str] | None = None) -> int:
                     row["error"] = [r.error for r in res.report.failed()]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print("\n| model | recipe (provider) | precision | size MB (fp32 → converted) | cosine mean / min | max_abs | Casts added | kept fp32 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print()
+    table = Table(["model", "recipe (provider)", "precision", "size MB (fp32 → converted)", "cosine mean / min",
+                   "max_abs", "Casts added", "kept fp32"])
+    table.header()
     for r in rows:
+        what = [r["model"], f"{r['recipe']} ({r['provider']})", r["precision"]]
         if not r["ok"]:
-            print(f"| {r['model']} | {r['recipe']} ({r['provider']}) | {r['precision']} | failed: {r['error']} |||||")
+            table.row(*what, f"failed: {r['error']}", "", "", "", "")
             continue
-        print(f"| {r['model']} | {r['recipe']} ({r['provider']}) | {r['precision']} | {r['fp32_mb']} → {r['mb']} | "
-              f"{r['cosine']:.6f} / {r['cosine_min']:.6f} | {r['max_abs']:.2g} | {r['casts']} | {r['fp32_kept'] or '—'} |")
+        table.row(*what, f"{r['fp32_mb']} → {r['mb']}", f"{r['cosine']:.6f} / {r['cosine_min']:.6f}",
+                  f"{r['max_abs']:.2g}", r["casts"], r["fp32_kept"] or "—")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1

@@ -104,12 +104,11 @@ def quality(args) -> dict:
 
 
 def speed(args) -> dict:
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import bench_sessions, by_name, open_sessions, speedups
     from graphopt.data import feeds as feeds_mod
     from graphopt.engine import pipeline
     from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.recipe import load as load_recipe
-    from graphopt.runtime import session as runtime
 
     base_recipe, pruned_recipe = ("int8", "prune-int8") if args.recipe == "int8" else (None, None)
     budget = args.budget or None
@@ -150,17 +149,17 @@ def speed(args) -> dict:
             (saved / "reports.json").write_text(json.dumps({k: out[k] for k in ("optimize_s", "base", "pruned")},
                                                            default=str))
     print(json.dumps({k: out[k] for k in ("base", "pruned")}, indent=1, default=str), flush=True)
-    sessions = {tag: runtime.make_session(m, threads=args.threads, spinning=False) for tag, m in models.items()}
+    sessions = open_sessions(models, threads=args.threads)
     rng = np.random.default_rng(0)
     one = {"input_ids": rng.integers(1000, 2000, (1, 128)).astype(np.int64),
            "attention_mask": np.ones((1, 128), np.int64), "token_type_ids": np.zeros((1, 128), np.int64)}
     work = feeds_mod.load_dir(args.work)
     for name, feeds, rounds in (("batch1x128", [one] * 8, args.rounds), ("workload", work, args.rounds)):
         res = bench_sessions(sessions, feeds, rounds=rounds, warmup=2, clock=args.clock)
-        by = {r.name: r for r in res}
+        by = by_name(res)
         out[name] = {n: {"p50_ms": round(r.p50 * 1e3, 2), "items_per_s": round(r.throughput, 1)}
                      for n, r in by.items()}
-        out[name]["speedup"] = round(by["base"].p50 / by["pruned"].p50, 3)
+        out[name]["speedup"] = round(speedups(res, base="base")["pruned"], 3)
         print(name, json.dumps(out[name]), flush=True)
     return out
 

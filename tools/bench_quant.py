@@ -55,10 +55,9 @@ def _cosines(got: list[np.ndarray], ref: list[np.ndarray]) -> np.ndarray:
 
 def _bench(paths: dict[str, Path], feeds: list[dict[str, np.ndarray]], rounds: int, clock: str) -> list[dict]:
     """Round-robin over the models (``graphopt.bench``), every held-back batch per turn; median per model."""
-    from graphopt.bench import bench_sessions
-    from graphopt.runtime import session as runtime
+    from graphopt.bench import bench_sessions, open_sessions
 
-    sessions = {n: runtime.make_session(str(p), threads=1, optimize=True, spinning=False) for n, p in paths.items()}
+    sessions = open_sessions({n: str(p) for n, p in paths.items()}, optimize=True)
     results = bench_sessions(sessions, feeds, rounds=rounds, warmup=1, clock=clock)
     return [{"name": r.name, "p50": r.p50, "throughput": r.throughput} for r in results]
 
@@ -99,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from onnxruntime.transformers.optimizer import optimize_model
 
     from graphopt import io
+    from graphopt.bench import print_table
     from graphopt.data.metrics import parse_budget
     from graphopt.engine.registry import PassContext
     from graphopt.rewrites.quantize import DEFAULT_BUDGET, QuantizePass
@@ -224,12 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     for row, r in zip(rows, res):
         row.update(sentences_per_s=r["throughput"], vs_fp32=base / r["p50"], vs_ort_per_channel=ort_pc / r["p50"])
     print(f"clock: {args.clock}; {args.rounds} rounds of {len(held)} held-back batches")
-    print("| variant | sentences/s | × fp32 | × ORT dyn per-channel | size MB | cosine mean | cosine min |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['variant']} | {row['sentences_per_s']:.1f} | {row['vs_fp32']:.2f} | "
-              f"{row['vs_ort_per_channel']:.2f} | {row['size_mb']:.1f} | {row['cosine_mean']:.4f} | "
-              f"{row['cosine_min']:.4f} |")
+    print_table(["variant", "sentences/s", "× fp32", "× ORT dyn per-channel", "size MB", "cosine mean", "cosine min"],
+                [[row["variant"], f"{row['sentences_per_s']:.1f}", f"{row['vs_fp32']:.2f}",
+                  f"{row['vs_ort_per_channel']:.2f}", f"{row['size_mb']:.1f}", f"{row['cosine_mean']:.4f}",
+                  f"{row['cosine_min']:.4f}"] for row in rows])
     if args.h2h_rounds:  # fewer models per round: less drift between them on a shared machine
         h2h = [n for n in paths if n.startswith("fp32 fused (") or n in (
             "ORT quantize_dynamic per-channel", "graphopt quantize (default: auto)",

@@ -74,14 +74,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from graphopt import io
     from graphopt import search as search_mod
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import Table, bench_sessions, by_name, open_sessions, print_table, speedups
     from graphopt.data import feeds as feeds_mod
     from graphopt.data.metrics import compare
     from graphopt.engine import pipeline
     from graphopt.engine import recipe as recipe_mod
     from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.verify import run_model
-    from graphopt.runtime import session as runtime
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,23 +137,22 @@ def main(argv: list[str] | None = None) -> int:
         emb = (g * ref_pool).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(ref_pool, axis=1))
         rows.append({"model": name, "cosine": c["cosine"], "cosine_min": c["cosine_min"],
                      "embedding_cosine": float(emb.mean()), "embedding_cosine_min": float(emb.min())})
-    sessions = {n: runtime.make_session(str(p), threads=1, optimize=True, spinning=False) for n, p in paths.items()}
+    sessions = open_sessions({n: str(p) for n, p in paths.items()}, optimize=True)
     res = bench_sessions(sessions, unseen, rounds=args.rounds, warmup=1, clock=args.clock)
-    by = {r.name: r for r in res}
-    int8 = by["int8 recipe"].p50
+    by, vs_int8 = by_name(res), speedups(res, base="int8 recipe")
     for row in rows:
-        r = by[row["model"]]
-        row.update(sentences_per_s=r.throughput, vs_int8=int8 / r.p50)
+        row.update(sentences_per_s=by[row["model"]].throughput, vs_int8=vs_int8[row["model"]])
     print(f"\nunseen: {len(unseen)} batches of 32; {args.rounds} rounds, clock {args.clock}, 1 thread")
-    print("| model | sentences/s | × int8 recipe | token cosine | token cosine_min | embedding cosine | embedding min |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['model']} | {row['sentences_per_s']:.1f} | {row['vs_int8']:.3f} | {row['cosine']:.5f} | "
-              f"{row['cosine_min']:.5f} | {row['embedding_cosine']:.5f} | {row['embedding_cosine_min']:.5f} |")
+    print_table(["model", "sentences/s", "× int8 recipe", "token cosine", "token cosine_min", "embedding cosine",
+                 "embedding min"],
+                [[row["model"], f"{row['sentences_per_s']:.1f}", f"{row['vs_int8']:.3f}", f"{row['cosine']:.5f}",
+                  f"{row['cosine_min']:.5f}", f"{row['embedding_cosine']:.5f}", f"{row['embedding_cosine_min']:.5f}"]
+                 for row in rows])
     print(f"\nsearch ({rep['workers']}, {rep['seconds']} s of {rep['time_limit']} s; budget {rep['budget']}; "
           f"Pareto: {', '.join(p['name'] for p in rep['pareto'])}):")
-    print("| candidate | status | × lossless (trial) | × lossless (final duel) | held-back cosine | held-back cosine_min | why not |")
-    print("|---|---|---|---|---|---|---|")
+    table = Table(["candidate", "status", "× lossless (trial)", "× lossless (final duel)", "held-back cosine",
+                   "held-back cosine_min", "why not"])
+    table.header()
     for t in rep["candidates"]:
         def f(v):
             return f"{v:.3f}" if isinstance(v, float) else "-"
@@ -163,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             return f"{v:.5f}" if isinstance(v, float) else "-"
 
         why = t["reason"][:90] if not t["meets_budget"] else (f"same model as {t['same_as']}" if t.get("same_as") else "")
-        print(f"| {t['name']} | {t['status']} | {f(t['speedup'])} | {f(t['duel_speedup'])} | {g(t['held'].get('cosine'))} | "
-              f"{g(t['held'].get('cosine_min'))} | {why} |")
+        table.row(t["name"], t["status"], f(t["speedup"]), f(t["duel_speedup"]), g(t["held"].get("cosine")),
+                  g(t["held"].get("cosine_min")), why)
     for n in rep["notes"]:
         print(f"- {n}")
     if args.json:

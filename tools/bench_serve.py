@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from graphopt.bench.harness import percentile, round_robin
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -165,8 +167,8 @@ def summary(phases: list[dict]) -> dict:
             "mean_batch": round(sum(p["served"] for p in phases) / runs, 1) if runs else None,
             "failure_examples": failures[:3], "seconds": round(wall, 2),
             "throughput_rps": round(len(lat) / wall, 1),
-            "p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
-            "p99_ms": round(float(np.percentile(lat, 99)), 1) if len(lat) else None}
+            "p50_ms": round(percentile(lat, 50), 1) if len(lat) else None,
+            "p99_ms": round(percentile(lat, 99), 1) if len(lat) else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,10 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             load(srv.url, rows[:16], refs[:16], clients=args.clients, seconds=2, max_requests=128,
                  min_cosine=args.min_cosine)
         per_phase = args.seconds / args.rounds
-        for _ in range(args.rounds):
-            for name, srv in servers.items():
-                phases[name].append(load(srv.url, rows, refs, clients=args.clients, seconds=per_phase,
-                                         max_requests=args.max_requests // args.rounds, min_cosine=args.min_cosine))
+
+        def phase(name: str) -> None:
+            phases[name].append(load(servers[name].url, rows, refs, clients=args.clients, seconds=per_phase,
+                                     max_requests=args.max_requests // args.rounds, min_cosine=args.min_cosine))
+
+        names = list(servers)  # the same order every round, as the phases take turns
+        round_robin({n: lambda n=n: phase(n) for n in names}, rounds=args.rounds, warmup=0, schedule=lambda r: names)
     finally:
         for srv in servers.values():
             srv.stop()

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from workload import token_batches
 
     from graphopt import io
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import Table, bench_sessions, by_name
     from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.pipeline import optimize
     from graphopt.engine.recipe import load
@@ -95,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_sessions(sessions, held, rounds=args.rounds, warmup=1, clock="wall")
         print(f"\n{title}: {args.rounds} rounds of {len(held)} batches, wall clock; load average "
               f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}")
-        print("| model | configuration | round ms | sentences/s | × first configuration |")
-        print("|---|---|---|---|---|")
-        by = {r.name: r for r in res}
+        table = Table(["model", "configuration", "round ms", "sentences/s", "× first configuration"])
+        table.header()
+        by = by_name(res)
         for m in models:
             first = by[f"{m} | {next(iter(cfgs))}"]
             for c in cfgs:
                 r = by[f"{m} | {c}"]
-                print(f"| {m} | {c} | {1e3 * r.p50:.1f} | {r.throughput:.1f} | {first.p50 / r.p50:.2f} |")
+                table.row(m, c, f"{1e3 * r.p50:.1f}", f"{r.throughput:.1f}", f"{r.speedup_over(first):.2f}")
                 rows.append({"model": m, "config": c, "p50_ms": 1e3 * r.p50, "sentences_per_s": r.throughput,
-                             "vs_first": first.p50 / r.p50, "load_before": load_before})
+                             "vs_first": r.speedup_over(first), "load_before": load_before})
         del sessions
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -21,9 +21,8 @@ import sys
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.bench import bench_sessions
+from graphopt.bench import bench_sessions, open_sessions, speedups
 from graphopt.runtime import custom_ops
-from graphopt.runtime import session as runtime
 
 SHAPES = {"minilm": (384, 1536), "minilm-w2": (1536, 384), "bert-base": (768, 3072), "bert-base-w2": (3072, 768)}
 SPARSITIES = (0.5, 0.75, 0.9)
@@ -84,18 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         k, n = SHAPES[shape]
         blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
         models = forms(k, n, blocks, rng)
-        sessions = {name: runtime.make_session(m, threads=args.threads, spinning=False) for name, m in models.items()}
+        sessions = open_sessions(models, threads=args.threads)
         for m_rows in (int(v) for v in args.ms.split(",")):
             feeds = [{"x": rng.standard_normal((m_rows, k)).astype(np.float32)}]
             reps = max(1, 64 // m_rows)  # small M: several runs per timed turn
             res = bench_sessions(sessions, feeds * reps, rounds=args.rounds, warmup=2, clock=args.clock)
-            base = next(r for r in res if r.name == "dense").p50
+            speedup = speedups(res, base="dense")
             print(f"\n{shape} W[{k}x{n}] M={m_rows}  (median of {args.rounds} interleaved rounds, {reps} runs each)")
             for r in res:
                 us = r.p50 / reps * 1e6
-                print(f"  {r.name:22s} {us:9.1f} us   {base / r.p50:5.2f}x")
+                print(f"  {r.name:22s} {us:9.1f} us   {speedup[r.name]:5.2f}x")
                 rows.append({"shape": shape, "K": k, "N": n, "M": m_rows, "form": r.name, "us": round(us, 1),
-                             "speedup": round(base / r.p50, 3)})
+                             "speedup": round(speedup[r.name], 3)})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

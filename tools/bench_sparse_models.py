@@ -45,7 +45,7 @@ def bert_base(rounds: int, batch: int, seq: int) -> dict:
     import onnx_ir as ir
     import transformers
 
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import bench_sessions, speedups
     from graphopt.engine import pipeline
     from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.registry import PassContext
@@ -76,8 +76,8 @@ def bert_base(rounds: int, batch: int, seq: int) -> dict:
         sessions[f"blocks 32x{cols} 75%"] = runtime.make_session(res.model, threads=1, spinning=False)
     big = [feed(batch, seq)]
     out = bench_sessions(sessions, big, rounds=rounds, warmup=1, clock="cpu")
-    base = out[0].p50
-    rows = [{"model": r.name, "seconds": round(r.p50, 3), "speedup": round(base / r.p50, 3)} for r in out]
+    speed = speedups(out)
+    rows = [{"model": r.name, "seconds": round(r.p50, 3), "speedup": round(speed[r.name], 3)} for r in out]
     for r in rows:
         print(f"BERT-base {batch}x{seq}: {r['model']:18s} {r['seconds']:7.3f} s  {r['speedup']:.2f}x")
     return {"bert_base": rows, "batch": batch, "seq": seq, "rounds": rounds}
@@ -95,7 +95,7 @@ def minilm(rounds: int, n_sent: int, only: list[str] | None = None) -> dict:
     import transformers
     import workload
 
-    from graphopt.bench import bench_sessions
+    from graphopt.bench import bench_sessions, print_table, speedups
     from graphopt.data.metrics import compare
     from graphopt.engine import pipeline
     from graphopt.engine.options import OptimizeOptions
@@ -166,14 +166,13 @@ def minilm(rounds: int, n_sent: int, only: list[str] | None = None) -> dict:
     sessions.update({k: runtime.make_session(m, threads=1, spinning=False) for k, m in variants.items()
                      if "+comp" not in k})  # compensation changes values, not speed
     bench = bench_sessions(sessions, held[:2], rounds=rounds, warmup=1, clock="cpu")
-    base = bench[0].p50
-    speed = {r.name: round(base / r.p50, 3) for r in bench}
+    speed = {name: round(v, 3) for name, v in speedups(bench).items()}
     for r in rows:
         r["speedup"] = speed.get(r["variant"].replace(" +comp", ""))
-    print("\n| variant | embedding cosine (held-back) | worst token cosine | speed vs dense (batch 32) |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['emb_cos']:.4f} | {r['token_cos_min']:.4f} | {r['speedup']:.2f}x |")
+    print()
+    print_table(["variant", "embedding cosine (held-back)", "worst token cosine", "speed vs dense (batch 32)"],
+                [[r["variant"], f"{r['emb_cos']:.4f}", f"{r['token_cos_min']:.4f}", f"{r['speedup']:.2f}x"]
+                 for r in rows])
     for k, v in recalls.items():
         print(f"{k}: {v}")
     return {"minilm": rows, "recall": recalls, "rounds": rounds}

@@ -47,11 +47,12 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from graphopt.bench.harness import Table, markdown_row, median, time_call
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -158,9 +159,8 @@ class _CpuTimed:
         return getattr(self.sess, name)
 
     def run(self, *args, **kwargs):
-        c = time.process_time()
-        out = self.sess.run(*args, **kwargs)
-        self.cpu_s.append(time.process_time() - c)
+        cpu, out = time_call(lambda: self.sess.run(*args, **kwargs), clock="process")
+        self.cpu_s.append(cpu)
         return out
 
 
@@ -210,11 +210,11 @@ def summarize(measured: dict[int, dict]) -> dict:
     """Medians over the rounds of one model's measurements at each thread count."""
     med = {}
     for n, m in measured.items():
-        med[n] = {"model_run_ms": float(np.median(m["model_run_ms_rounds"])),
-                  "overhead_ms": float(np.median(m["overhead_ms_rounds"])),
-                  "wall_ms": float(np.median(m["wall_ms_rounds"])),
+        med[n] = {"model_run_ms": float(median(m["model_run_ms_rounds"])),
+                  "overhead_ms": float(median(m["overhead_ms_rounds"])),
+                  "wall_ms": float(median(m["wall_ms_rounds"])),
                   "cores_busy": float(sum(m["cpu_ms_rounds"]) / sum(m["wall_ms_rounds"])),
-                  "per_op_ms": {op: float(np.median(v)) for op, v in m["per_op_ms_rounds"].items()}}
+                  "per_op_ms": {op: float(median(v)) for op, v in m["per_op_ms_rounds"].items()}}
     return med
 
 
@@ -234,7 +234,7 @@ def report(rows: list[dict], counts: list[int], est: list[int], items: int, min_
             *[f"{n}t scaling (÷ base)" for n in counts[1:]], f"cores busy ({'/'.join(f'{n}t' for n in counts)})",
             *[f"{n}t ms (est.)" for n in est], *[f"{n}t scaling (÷ base, est.)" for n in est],
             f"{top}t ÷ base, range over rounds", f"{top}t items/s (est.)"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += Table(head).lines()
     base = rows[0]
     for row in rows:
         ms = row["measured"]
@@ -250,7 +250,7 @@ def report(rows: list[dict], counts: list[int], est: list[int], items: int, min_
                                                          base["estimate"].get("per_round_scaling", []))]
         cells.append(f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "")
         cells.append(f"{items / e['round_ms'][top] * 1e3:.1f}")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     lines.append(f"\nMeasured: median model_run per round (ORT profile; scaling vs {m1} thread). Estimated: "
                  f"Amdahl per op type, overhead serial; scaling vs the fitted 1-thread time. (÷ base) = the "
                  f"model's scaling over the baseline's ({base['model']}); its range over rounds: from each round "
@@ -269,7 +269,7 @@ def report(rows: list[dict], counts: list[int], est: list[int], items: int, min_
                      f"{top} threads: what caps the scaling)")
         h = ["op", "calls", *[f"{n}t ms" for n in counts], "p", f"{top}t ms (est.)", f"share at {top}t",
              f"share at {m1}t"]
-        lines += ["| " + " | ".join(h) + " |", "|" + "---|" * len(h)]
+        lines += Table(h).lines()
         t_m1 = sum(row["measured"][m1]["per_op_ms"].values()) + row["measured"][m1]["overhead_ms"]
         ops = sorted(e["ops"].items(), key=lambda kv: -kv[1]["ms"][top])
         rest = [0, 0.0, {n: 0.0 for n in counts}, 0.0]
@@ -281,19 +281,19 @@ def report(rows: list[dict], counts: list[int], est: list[int], items: int, min_
                 for n in counts:
                     rest[2][n] += meas[n]
                 continue
-            lines.append("| " + " | ".join([op, str(row["calls"].get(op, 0)), *[f"{meas[n]:.2f}" for n in counts],
+            lines.append(markdown_row([op, str(row["calls"].get(op, 0)), *[f"{meas[n]:.2f}" for n in counts],
                                             f"{o['p']:.2f}", f"{o['ms'][top]:.2f}", f"{o['ms'][top] / total:.1%}",
-                                            f"{meas[m1] / t_m1:.1%}"]) + " |")
+                                            f"{meas[m1] / t_m1:.1%}"]))
         if rest[0]:
-            lines.append("| " + " | ".join([f"other ({rest[0]} op types)", "", *[f"{rest[2][n]:.2f}" for n in counts],
+            lines.append(markdown_row([f"other ({rest[0]} op types)", "", *[f"{rest[2][n]:.2f}" for n in counts],
                                             "", f"{rest[1]:.2f}", f"{rest[1] / total:.1%}",
-                                            f"{rest[2][m1] / t_m1:.1%}"]) + " |")
+                                            f"{rest[2][m1] / t_m1:.1%}"]))
         ov = e["overhead"]
-        lines.append("| " + " | ".join(["framework overhead (serial)", "",
+        lines.append(markdown_row(["framework overhead (serial)", "",
                                         *[f"{row['measured'][n]['overhead_ms']:.2f}" for n in counts],
                                         f"0 (fitted {ov['p_if_fitted']:.2f})", f"{ov['ms']:.2f}",
                                         f"{ov['ms'] / total:.1%}",
-                                        f"{row['measured'][m1]['overhead_ms'] / t_m1:.1%}"]) + " |")
+                                        f"{row['measured'][m1]['overhead_ms'] / t_m1:.1%}"]))
     lines.append("\n" + CAVEATS)
     return "\n".join(lines)
 
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from graphopt import io
-    from graphopt.bench import _items, model_settings
+    from graphopt.bench import feed_items, model_settings
     from graphopt.data import feeds as feeds_mod
 
     counts, est = _counts(args.threads, "--threads"), _counts(args.estimate, "--estimate")
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         while name in models:
             name += "'"
         models[name] = str(p)
-    items = sum(_items(f) for f in feeds)
+    items = sum(feed_items(f) for f in feeds)
     load = os.getloadavg()
     measured = run_profiled(models, feeds, counts, args.rounds)
     load_after = os.getloadavg()

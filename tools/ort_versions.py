@@ -33,32 +33,11 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from graphopt.runtime.ort_compat import CONTRIB_SINCE, IR_SINCE, OPSET_SINCE  # noqa: E402
+from graphopt.runtime.ort_compat import CONTRIB_SINCE, IR_SINCE, KERNEL_PROBE, OPSET_SINCE  # noqa: E402
 
 #: the first release of each minor series with a cp311 manylinux wheel on PyPI (1.24.0 has none)
 DEFAULT_VERSIONS = [f"1.{m}.0" for m in range(15, 33) if m != 24] + ["1.24.1"]
 
-#: run inside the probed ORT: prints {"max_opset": N, "cpu_contrib": [...]}
-_PROBE = r"""
-import json, sys
-import onnxruntime as ort
-from onnxruntime.capi import _pybind_state as C
-models = json.loads(sys.stdin.read())
-ok = {"opset": [], "ir": []}
-for kind, value, path in models:
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    try:
-        ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-        ok[kind].append(value)
-    except Exception:
-        pass
-kernels = None  # releases before the kernel listing was exported cannot say
-if hasattr(C, "get_all_opkernel_def"):
-    kernels = sorted({k.op_name for k in C.get_all_opkernel_def()
-                      if k.domain == "com.microsoft" and k.provider == "CPUExecutionProvider"})
-print(json.dumps({"version": ort.__version__, "opsets": ok["opset"], "irs": ok["ir"], "cpu_contrib": kernels}))
-"""
 
 
 def _add_models(folder: pathlib.Path, opsets: range, irs: range) -> list[tuple[str, int, str]]:
@@ -97,7 +76,7 @@ def _install(version: str, cache: pathlib.Path) -> pathlib.Path:
 def probe(version: str, cache: pathlib.Path, models: list[tuple[str, int, str]]) -> dict:
     target = _install(version, cache)
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE], input=json.dumps(models), env=env,
+    proc = subprocess.run([sys.executable, "-c", KERNEL_PROBE], input=json.dumps(models), env=env,
                           capture_output=True, text=True, check=True)
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     if found["version"] != version:

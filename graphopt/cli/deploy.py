@@ -21,7 +21,7 @@ Examples:
 def command(
     model: Annotated[Path, typer.Argument(help="Optimized ONNX model.", show_default=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Model repository folder (created if missing).")],
-    name: Annotated[str | None, typer.Option("--name", help="Model name (default: the file name's stem).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Model name (default: the file name up to its first dot: minilm.int8.onnx -> minilm).")] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="max_batch_size (0: no batching).")] = 32,
     provider: Provider = "cpu",
     instances: Annotated[int, typer.Option("--instances", help="Model instances (instance_group count).")] = 1,

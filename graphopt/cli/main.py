@@ -15,7 +15,7 @@ import sys
 import typer
 
 from graphopt.cli import bench, deploy, diff, export, feeds, inspect_cmd, optimize, passes, serve, verify
-from graphopt.errors import EXIT_ERROR, GraphoptError
+from graphopt.errors import EXIT_ERROR, GraphoptError, first_line
 from graphopt.interrupt import unwind_on_signals
 
 app = typer.Typer(
@@ -59,7 +59,38 @@ def _root(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr."),
 ) -> None:
     _state["debug"] = debug
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _setup_logging(verbose=verbose, debug=debug)
+
+
+class _OneLineFormatter(logging.Formatter):
+    """Every log record as one line: ``LEVEL logger: message``. A record carrying an exception (a third-party
+    library logging a traceback, e.g. onnx-ir's shape inference on a negative dimension) shows the exception's
+    type and first line instead of the traceback; ``--debug`` keeps the traceback."""
+
+    def __init__(self, debug: bool):
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+        self.debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.debug:
+            return super().format(record)
+        message = " ".join(record.getMessage().split())
+        if record.exc_info and record.exc_info[1] is not None:
+            e = record.exc_info[1]
+            message += f" ({type(e).__name__}: {first_line(e)})"
+        return f"{record.levelname} {record.name}: {message}"
+
+
+def _setup_logging(*, verbose: bool, debug: bool) -> None:
+    """One stderr handler for graphopt's and every library's logging, and Python warnings through it."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    if root.handlers:  # configured already (an embedding application, a test runner): as logging.basicConfig
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(_OneLineFormatter(debug))
+    root.addHandler(handler)
+    logging.captureWarnings(True)
 
 
 def _print_error(message: str, hint: str | None) -> None:

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from graphopt.cli.options import Provider, Threads
+from graphopt.cli.options import Threads
+from graphopt.runtime.session import Provider as ProviderChoice
 
 EPILOG = """\
 Examples:
@@ -24,12 +25,12 @@ def command(
     model: Annotated[Path, typer.Argument(help="ONNX model, or a `graphopt deploy` repository.", show_default=False)],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
-    name: Annotated[str | None, typer.Option("--name", help="Model name (default: file stem or repository entry).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Model name (default: the repository entry, else the file name up to its first dot: minilm.int8.onnx -> minilm).")] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Most rows in one batch (1: batching off).")] = 32,
     max_delay_ms: Annotated[float, typer.Option("--max-delay-ms", help="Longest wait for a batch to fill.")] = 5.0,
     max_length: Annotated[int | None, typer.Option("--max-length", help="Longest sequence accepted (default: manifest, else 512).")] = None,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body.")] = 16.0,
-    provider: Annotated[Provider | None, typer.Option("--provider", help="Execution provider (default: manifest, else cpu).", case_sensitive=False)] = None,
+    provider: Annotated[ProviderChoice | None, typer.Option("--provider", help="Execution provider (default: manifest, else cpu).", case_sensitive=False)] = None,
     threads: Threads = 0,
     instances: Annotated[int, typer.Option("--instances", help="ONNX Runtime sessions running batches at once (default: manifest, else 1); on CPU each gets 1 intra-op thread unless --threads.")] = 0,
 ) -> None:

@@ -22,6 +22,10 @@ kernels for. The probes moved SkipSimplifiedLayerNormalization's CPU kernel to 1
 the IR table (a dynamo export is IR 10: ORT 1.17 refuses it whatever its opset). Rows before 1.15 and the CUDA
 columns stay as sourced: 1.15 is the oldest cp311 wheel, and the CPU wheels cannot show CUDA kernels.
 
+Private names: ``onnxruntime.capi._pybind_state.get_all_opkernel_def`` (the kernel registry; ORT has no public
+listing) is read here alone, by :func:`kernel_defs` and by :data:`KERNEL_PROBE` (the probe script
+``tools/ort_versions.py`` runs inside other ORT releases); ``tests/test_ort_compat.py`` checks that it resolves.
+
 An op missing from the table makes the answer the installed ORT version (the one graphopt verified with),
 with the op named in ``unknown``: a floor we know holds, never a guess.
 """
@@ -34,6 +38,39 @@ import re
 import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN, default_opset, node_domain
+
+
+def kernel_defs() -> list:
+    """The installed ONNX Runtime's registered kernels (``op_name``, ``domain``, ``provider``, ``version_range``,
+    ``type_constraints``): ORT's private ``capi._pybind_state.get_all_opkernel_def``, the only listing it has."""
+    from onnxruntime.capi import _pybind_state
+
+    return list(_pybind_state.get_all_opkernel_def())
+
+
+#: run inside a probed ORT by ``tools/ort_versions.py``: reads ``[(kind, value, path)]`` on stdin, prints
+#: {"version", "opsets", "irs", "cpu_contrib"} (the same private kernel listing as :func:`kernel_defs`)
+KERNEL_PROBE = r"""
+import json, sys
+import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as C
+models = json.loads(sys.stdin.read())
+ok = {"opset": [], "ir": []}
+for kind, value, path in models:
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        ok[kind].append(value)
+    except Exception:
+        pass
+kernels = None  # releases before the kernel listing was exported cannot say
+if hasattr(C, "get_all_opkernel_def"):
+    kernels = sorted({k.op_name for k in C.get_all_opkernel_def()
+                      if k.domain == "com.microsoft" and k.provider == "CPUExecutionProvider"})
+print(json.dumps({"version": ort.__version__, "opsets": ok["opset"], "irs": ok["ir"], "cpu_contrib": kernels}))
+"""
+
 
 #: ONNX opset -> first ONNX Runtime release implementing it
 OPSET_SINCE: dict[int, str] = {

@@ -32,6 +32,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN
+from graphopt.runtime import ort_compat
 from graphopt.runtime.contrib import attention_inputs
 
 logger = logging.getLogger(__name__)
@@ -203,10 +204,8 @@ def _cpu_kernels() -> dict[tuple[str, str], list[tuple[tuple[int, int], set[str]
     """(domain, op) -> [(version range, every type the CPU kernel's constraints name)] of this ONNX Runtime."""
     global _CPU_KERNELS
     if _CPU_KERNELS is None:
-        from onnxruntime.capi import _pybind_state
-
         table: dict = {}
-        for k in _pybind_state.get_all_opkernel_def():
+        for k in ort_compat.kernel_defs():
             if k.provider == "CPUExecutionProvider":
                 types = {t for ts in k.type_constraints.values() for t in ts}
                 table.setdefault((k.domain or "", k.op_name), []).append((tuple(k.version_range), types))

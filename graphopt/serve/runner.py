@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from graphopt.deploy import (
+    DATATYPES,
     DEFAULT_MAX_LENGTH,
     MANIFEST_NAME,
     MODEL_FILE,
@@ -207,8 +208,6 @@ class Runner:
 
 
 def _oip(dtype: np.dtype) -> str:
-    from graphopt.deploy import DATATYPES
-
     for _, oip, np_dtype in DATATYPES.values():
         if np.dtype(np_dtype) == dtype:
             return oip

@@ -33,13 +33,17 @@ embedding fusion. Nothing is fused where an intermediate value is used outside t
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
+from onnxscript.rewriter import pattern
 
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
-from graphopt.opsets import MS_DOMAIN, default_opset
+from graphopt.errors import PassError
+from graphopt.onnxscript_compat import exact_identity_constants
+from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN, MS_DOMAIN, default_opset
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +167,10 @@ def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
     if opts.layer_norm:
         # ORT's SimplifiedLayerNormalization is no ONNX op: RMSNormalization (opset >= 23) or standard ops
         steps.append(("rms_normalization_onnx", RmsNormStep()))
+    for _name, step in steps:  # an operand is dropped only when it is the identity exactly
+        rules = getattr(step, "rules", step)
+        if isinstance(rules, pattern.RewriteRuleSet):
+            exact_identity_constants(rules)
     return steps
 
 
@@ -264,48 +272,76 @@ class FusePass(GraphoptPass):
         self.skip_norm = skip_norm
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        from onnxscript.optimizer import optimize
+        original = model.clone() if self.attention else None  # tensors are shared: a cheap copy
+        result = _fuse(model, ctx, self)
+        left = _placeholders(model)
+        if left and original is not None:
+            # an attention rule matched but no later rule mapped its placeholder (onnxscript's SDPA) to a contrib
+            # op: the placeholder is no op ORT knows, so attention stays as the exporter wrote it
+            retry = _fuse(original, ctx, types.SimpleNamespace(**{**vars(self), "attention": False}))
+            model.graph = original.graph
+            model.functions.clear()
+            model.functions.update(original.functions)
+            note = (f"fuse: attention left unfused: {len(left)} {left[0].op_type} placeholder(s) had no "
+                    f"contrib-op form (first {left[0].name!r})")
+            result = PassResult(model, retry.modified, notes=[note, *retry.notes], rule_counts=retry.rule_counts)
+            left = _placeholders(model)
+        if left:
+            raise PassError(f"fuse: {len(left)} placeholder op(s) of {FUSION_PLACEHOLDER_DOMAIN} left in the graph "
+                            f"({left[0].op_type} {left[0].name!r})")
+        return result
 
-        opset = default_opset(model)
-        if opset < MIN_OPSET:
-            return PassResult(model, False, notes=[f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is"])
-        notes: list[str] = []
-        reason = _prepare(model)
-        if reason:
-            logger.info("fuse: %s; TorchScript-style attention may stay unfused", reason)
-            if ctx.explain:
-                notes.append(f"fuse: shapes: {reason}")
-        counts: dict[str, int] = {}
-        steps = _steps(self, ctx.provider)
-        misses: list[str] = []
-        for rule_name, step in steps:
-            n = _apply(step, model)
-            if n:
-                counts[rule_name] = n
-            elif ctx.explain:
-                # traced right away: the graph is the one the rule just failed on, so nothing matches
-                why = _why_not(step, model, rule_name)
-                if why:
-                    misses.append(why)
-        if not counts:
-            # nothing fused: report unmodified so the pipeline keeps the graph exactly as it was
-            # (the preparation above folded constants and inferred shapes on this working copy)
-            if ctx.explain:
-                notes.extend(_explain(model, misses))
-            return PassResult(model, False, notes=notes)
-        optimize(model, inline=False)
-        folded = _fold_weight_concats(model)
-        if folded:
-            counts["fold_weight_concat"] = folded
-        common_passes.RemoveUnusedNodesPass()(model)
+
+def _placeholders(model: ir.Model) -> list[ir.Node]:
+    """Nodes left in onnxscript's placeholder domain that no model function defines (ORT cannot run them)."""
+    return [n for n in ir.traversal.RecursiveGraphIterator(model.graph)
+            if n.domain == FUSION_PLACEHOLDER_DOMAIN and (n.domain, n.op_type, n.overload) not in model.functions]
+
+
+def _fuse(model: ir.Model, ctx: PassContext, opts) -> PassResult:
+    """Run the fusion steps for the options on ``opts`` (a FusePass or the same fields) on ``model`` in place."""
+    from onnxscript.optimizer import optimize
+
+    opset = default_opset(model)
+    if opset < MIN_OPSET:
+        return PassResult(model, False, notes=[f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is"])
+    notes: list[str] = []
+    reason = _prepare(model)
+    if reason:
+        logger.info("fuse: %s; TorchScript-style attention may stay unfused", reason)
+        if ctx.explain:
+            notes.append(f"fuse: shapes: {reason}")
+    counts: dict[str, int] = {}
+    steps = _steps(opts, ctx.provider)
+    misses: list[str] = []
+    for rule_name, step in steps:
+        n = _apply(step, model)
+        if n:
+            counts[rule_name] = n
+        elif ctx.explain:
+            # traced right away: the graph is the one the rule just failed on, so nothing matches
+            why = _why_not(step, model, rule_name)
+            if why:
+                misses.append(why)
+    if not counts:
+        # nothing fused: report unmodified so the pipeline keeps the graph exactly as it was
+        # (the preparation above folded constants and inferred shapes on this working copy)
         if ctx.explain:
             notes.extend(_explain(model, misses))
-            if not self.gqa and any(n.op_type == "MultiHeadAttention" for n in model.graph):
-                notes.append(
-                    "fuse: gqa: GroupQueryAttention not tried (option gqa=false): it replaces the attention "
-                    "mask by per-row lengths, exact only for right-padded batches; MultiHeadAttention used"
-                )
-        return PassResult(model, True, notes=notes, rule_counts=counts)
+        return PassResult(model, False, notes=notes)
+    optimize(model, inline=False)
+    folded = _fold_weight_concats(model)
+    if folded:
+        counts["fold_weight_concat"] = folded
+    common_passes.RemoveUnusedNodesPass()(model)
+    if ctx.explain:
+        notes.extend(_explain(model, misses))
+        if not opts.gqa and any(n.op_type == "MultiHeadAttention" for n in model.graph):
+            notes.append(
+                "fuse: gqa: GroupQueryAttention not tried (option gqa=false): it replaces the attention "
+                "mask by per-row lengths, exact only for right-padded batches; MultiHeadAttention used"
+            )
+    return PassResult(model, True, notes=notes, rule_counts=counts)
 
 
 def _fold_weight_concats(model: ir.Model) -> int:

@@ -250,3 +250,25 @@ def test_tanh_gelu_refuses_other_constant():
     model = _tanh_gelu_model(c1=0.05)
     ir.passes.common.ShapeInferencePass()(model)
     assert "is not 0.044715" in (_why_not(tanh_gelu_rules, model, "tanh_gelu") or "")
+
+
+def test_placeholder_without_contrib_form_is_never_emitted(minilm, monkeypatch):
+    """When onnxscript's SDPA placeholder matches but no later rule maps it to a contrib op, attention stays as
+    the exporter wrote it (the placeholder is no op ORT knows) and every other fusion still applies."""
+    import graphopt.rewrites.fuse as fuse_mod
+    from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN
+
+    real_steps = fuse_mod._steps
+    mapping = {"mha1", "mha2", "mha_scale", "mha_bias", "attention", "sdpa_via_mha", "mask_index"}
+    monkeypatch.setattr(fuse_mod, "_steps", lambda opts, provider: [
+        (n, s) for n, s in real_steps(opts, provider) if not (opts.attention and n in mapping)])
+    model = ir.load(minilm("dynamo", "sdpa"))
+    feeds = generate(model)
+    ref = run(make_session(model, optimize=False), feeds)
+    result = registry.create("fuse").call(model, PassContext())
+    ops = _ops(model)
+    assert not any(n.domain == FUSION_PLACEHOLDER_DOMAIN for n in model.graph)
+    assert ops["Softmax"] == 6 and ops["Attention"] == 0 and ops["LayerNormalization"] == 12, ops
+    assert result.modified and any("attention left unfused" in n for n in result.notes), result.notes
+    got = run(make_session(model, optimize=False), feeds)
+    assert compare(got, ref, feeds).worst("max_abs") <= 1e-4

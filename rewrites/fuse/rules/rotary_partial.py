@@ -19,8 +19,10 @@ already partial or interleaved): ``x`` is not 4-D with a known head count ``N`` 
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.rewriter import _ir_utils, pattern
+from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import rotary_embedding
+
+from graphopt.onnxscript_compat import get_singleton_value
 
 
 class PartialRotaryWithHeads(rotary_embedding.PartialRotaryEmbeddingFusion):
@@ -32,7 +34,7 @@ class PartialRotaryWithHeads(rotary_embedding.PartialRotaryEmbeddingFusion):
             return result
         if x.shape is None or x.shape.rank() != 4 or not isinstance(x.shape[1], int) or not isinstance(x.shape[3], int):
             return result.fail("input is not [B, N, S, H] with known N and H", x)
-        d = _ir_utils.get_singleton_value(end1)
+        d = get_singleton_value(end1)
         if d <= 0 or d % 2 or d >= x.shape[3]:
             return result.fail(f"rotary dim {d} is not even and below the head size {x.shape[3]}", end1)
         heads = x_part_1_rope.producer().attributes.get_int("num_heads", 0)

@@ -1,7 +1,5 @@
-"""Interleaved benchmarking: all models in one process, round-robin, spinning off, medians and ratios.
-
-On a VM with slow phases, timing one model after another is unreliable; interleaving exposes every
-model to the same phases, and the ratio to the first model is what we report.
+"""ORT sessions benchmarked on the harness (:mod:`graphopt.bench.harness`): all models in one process,
+round-robin, intra-op spinning off, medians and ratios; thread counts and concurrent instances compared.
 
 On CUDA (``device="cuda"``) every run goes through an IO binding: the feeds are copied to the GPU once,
 outputs are left on the GPU, so the timing is the session's compute, not host-device copies.
@@ -10,49 +8,24 @@ outputs are left on the GPU, so the timing is the session's compute, not host-de
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from graphopt.bench.harness import BenchResult, round_robin
 from graphopt.runtime import session as runtime
 from graphopt.runtime import session_hints
 
 
-@dataclasses.dataclass
-class BenchResult:
-    """Timing of one model over every round (one round = every feed once)."""
-
-    name: str
-    round_seconds: list[float]
-    items_per_round: int
-
-    @property
-    def p50(self) -> float:
-        return float(np.median(self.round_seconds))
-
-    @property
-    def p90(self) -> float:
-        return float(np.percentile(self.round_seconds, 90))
-
-    @property
-    def throughput(self) -> float:
-        return self.items_per_round / self.p50 if self.p50 > 0 else float("inf")
-
-    def as_dict(self, base: BenchResult | None = None) -> dict:
-        d = {
-            "model": self.name,
-            "p50_ms": 1e3 * self.p50,
-            "p90_ms": 1e3 * self.p90,
-            "items_per_s": self.throughput,
-            "rounds": len(self.round_seconds),
-        }
-        if base is not None:
-            d["speedup_vs_first"] = base.p50 / self.p50 if self.p50 > 0 else float("inf")
-        return d
+def open_sessions(models: Mapping[str, object], *, threads: int | None = 1, **kwargs) -> dict[str, object]:
+    """One CPU session per model (name -> path, bytes or model) the way benchmarks make them: intra-op
+    spinning off (``session.intra_op.allow_spinning=0``: idle pool threads do not steal the cores other
+    sessions of the round-robin are timed on), ``threads`` intra-op threads; ``kwargs`` go to
+    :func:`graphopt.runtime.session.make_session`."""
+    return {name: runtime.make_session(m, threads=threads, spinning=False, **kwargs) for name, m in models.items()}
 
 
-def _items(feed: Mapping[str, np.ndarray]) -> int:
+def feed_items(feed: Mapping[str, np.ndarray]) -> int:
     for v in feed.values():
         a = np.asarray(v)
         if a.ndim >= 1:
@@ -96,29 +69,12 @@ def bench_sessions(
     intra-op thread ORT runs every kernel on it, so waiting for a core held by other jobs is not
     counted); ``'wall'`` times wall time.
     """
-    tick = time.thread_time if clock == "cpu" else time.perf_counter
-    names = list(sessions)
     prepared = {}
     for n, s in sessions.items():
         wanted = {i.name for i in s.get_inputs()} | {i.name for i in s.get_overridable_initializers()}
         prepared[n] = _runners(s, [{k: v for k, v in f.items() if k in wanted} for f in feeds], device)
-    items = sum(_items(f) for f in feeds)
-    for _ in range(warmup):
-        for n in names:
-            for go in prepared[n]:
-                go()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    t_begin = time.perf_counter()
-    r = 0
-    while r < rounds or (time.perf_counter() - t_begin) < min_seconds:
-        order = schedule(r) if schedule is not None else names[r % len(names):] + names[: r % len(names)]
-        for n in order:
-            t0 = tick()
-            for go in prepared[n]:
-                go()
-            times[n].append(tick() - t0)
-        r += 1
-    return [BenchResult(n, times[n], items) for n in names]
+    return round_robin(prepared, rounds=rounds, warmup=warmup, min_seconds=min_seconds, clock=clock,
+                       schedule=schedule, items_per_round=sum(feed_items(f) for f in feeds))
 
 
 def bench_models(
