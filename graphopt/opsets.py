@@ -1,6 +1,8 @@
-"""Opset look-ups shared by passes."""
+"""Opset look-ups shared by passes, and op counting (``domain::op_type`` keys) for reports, diffs and FLOPs."""
 
 from __future__ import annotations
+
+import collections
 
 import onnx_ir as ir
 
@@ -20,3 +22,29 @@ def default_opset(model: ir.Model) -> int:
     """The model's opset version for the default ONNX domain (0 when it imports none)."""
     imports = model.opset_imports
     return imports.get("", imports.get("ai.onnx", 0))
+
+
+def op_histogram(graph_or_model: ir.Model | ir.Graph, recursive: bool = True) -> collections.Counter:
+    """``domain::op_type`` (bare op_type for the default domain) -> count, subgraphs included."""
+    graph = graph_or_model.graph if isinstance(graph_or_model, ir.Model) else graph_or_model
+    nodes = ir.traversal.RecursiveGraphIterator(graph) if recursive else graph
+    c: collections.Counter = collections.Counter()
+    for n in nodes:
+        c[op_key(n)] += 1
+    return c
+
+
+def op_key(node: ir.Node) -> str:
+    """``domain::op_type``, or the bare op_type for the default domain."""
+    return node.op_type if not node_domain(node) else f"{node.domain}::{node.op_type}"
+
+
+def count_nodes(model: ir.Model) -> int:
+    """Nodes of ``model``, subgraphs included."""
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def op_delta(before: collections.Counter, after: collections.Counter) -> dict[str, int]:
+    """Op key -> change in count from ``before`` to ``after`` (only the keys that changed, sorted)."""
+    keys = set(before) | set(after)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys) if after.get(k, 0) != before.get(k, 0)}

@@ -10,8 +10,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt import io
 from graphopt.engine import pipeline
-from graphopt.engine.report import op_histogram
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.verify import run_model
+from graphopt.opsets import op_histogram
 
 
 def _model(nodes, inputs, outputs, inits=(), opsets=(("", 17),), ir_version=8, functions=()):
@@ -27,8 +28,8 @@ def _vi(name, shape, dtype=TensorProto.FLOAT):
 
 def _run_cleanup(model, feeds, **opts):
     before = run_model(model, feeds)
-    res = pipeline.optimize(model, passes="cleanup", feeds=feeds,
-                            overrides=[f"cleanup.{k}={v}" for k, v in opts.items()])
+    res = pipeline.optimize(model, OptimizeOptions(passes="cleanup", feeds=feeds,
+                                                   overrides=[f"cleanup.{k}={v}" for k, v in opts.items()]))
     assert res.ok, [p.error for p in res.report.failed()]
     after = run_model(res.model, feeds)
     for a, b in zip(after, before):
@@ -170,7 +171,7 @@ def test_graphopt_functions_not_inlined():
 @pytest.mark.slow
 def test_minilm_torchscript_cleanup(minilm):
     path = minilm("torchscript", "eager")
-    res = pipeline.optimize(path, passes="cleanup")
+    res = pipeline.optimize(path, OptimizeOptions(passes="cleanup"))
     assert res.ok
     rec = res.report.passes[0]
     assert rec.nodes_after < rec.nodes_before - 100  # the TorchScript export is full of shape chains

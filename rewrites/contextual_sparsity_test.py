@@ -109,11 +109,12 @@ def test_refusals(mlp_path):
 
 def test_through_the_pipeline_fused(tiny):
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path, feeds = tiny
-    result = pipeline.optimize(str(path), passes="cleanup,fuse,contextual-sparsity", feeds=feeds,
-                               overrides=["contextual-sparsity.keep=0.75", "contextual-sparsity.rank=16"],
-                               budget="cosine>=0.9")
+    result = pipeline.optimize(str(path), OptimizeOptions(
+        passes="cleanup,fuse,contextual-sparsity", feeds=feeds,
+        overrides=["contextual-sparsity.keep=0.75", "contextual-sparsity.rank=16"], budget="cosine>=0.9"))
     rec = result.report.passes[-1]
     assert result.ok and rec.modified, rec.error
     assert Counter(n.op_type for n in result.model.graph)["BiasGelu"] == 2

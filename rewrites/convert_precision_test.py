@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt import io
 from graphopt.data.metrics import compare
 from graphopt.engine import pipeline, registry
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.registry import PassContext
 from graphopt.engine.verify import check_structure, run_model
 from graphopt.errors import UsageError
@@ -232,7 +233,7 @@ def _minilm_feeds():
 @pytest.fixture(scope="module")
 def minilm_default(minilm_path):
     """MiniLM after the default recipe (CPU: MultiHeadAttention in length groups, LayerNormalization, BiasGelu)."""
-    res = pipeline.optimize(str(minilm_path), verify_level="structure")
+    res = pipeline.optimize(str(minilm_path), OptimizeOptions(verify_level="structure"))
     assert res.ok
     return res.model
 
@@ -244,8 +245,8 @@ def test_minilm_after_default_recipe(minilm_path, minilm_default, precision):
     SkipLayerNormalization) is checked by tests/test_cuda_checks.py through tools/cuda_checks.py --dry-run-cpu."""
     feeds = _minilm_feeds()
     ref = run(make_session(str(minilm_path), optimize=False), feeds)
-    res = pipeline.optimize(minilm_default.clone(), passes="convert-precision", feeds=feeds * 2,
-                            overrides=[f"convert-precision.precision={precision}"])
+    res = pipeline.optimize(minilm_default.clone(), OptimizeOptions(
+        passes="convert-precision", feeds=feeds * 2, overrides=[f"convert-precision.precision={precision}"]))
     assert res.ok, [r.error for r in res.report.failed()]
     rec = res.report.passes[-1]
     assert rec.status == "ok" and rec.verification["cosine"] >= 0.999
@@ -275,8 +276,8 @@ def test_tiny_llama(precision):
     from conftest import load_models_module
 
     path = load_models_module("tiny").build("llama", "causal-lm", exporter="dynamo")
-    res = pipeline.optimize(str(path), passes="convert-precision",
-                            overrides=[f"convert-precision.precision={precision}"])
+    res = pipeline.optimize(str(path), OptimizeOptions(
+        passes="convert-precision", overrides=[f"convert-precision.precision={precision}"]))
     assert res.ok, [r.error for r in res.report.failed()]
     model = res.model
     _check_converted(model, PRECISIONS_DT[precision])

@@ -12,9 +12,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
 from graphopt.engine import pipeline, registry
-from graphopt.engine.report import op_histogram
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError
+from graphopt.opsets import op_histogram
 from rewrites.cut_positions import CutPositions
 
 MODELS = Path(os.path.expanduser("~/.cache/graphopt/models"))
@@ -119,7 +120,7 @@ def test_bad_option():
 @pytest.mark.parametrize("name", ["minilm-sentiment-dynamo-sdpa.onnx"])
 def test_first_token_classifier_through_the_pipeline(name):
     path = MODELS / name
-    res = pipeline.optimize(path, passes="cut-positions")
+    res = pipeline.optimize(path, OptimizeOptions(passes="cut-positions"))
     rec = res.report.passes[0]
     assert res.ok and rec.status == "ok" and rec.modified, rec.notes
     # the whole last layer after K/V: Q projection, scores, softmax, context, Wo, LayerNorms, FFN
@@ -128,7 +129,8 @@ def test_first_token_classifier_through_the_pipeline(name):
 
 @pytest.mark.parametrize("name", ["tiny-gpt2-causal-lm-dynamo.onnx", "tiny-llama-causal-lm-dynamo.onnx"])
 def test_last_token_causal_lm_through_the_pipeline(name):
-    res = pipeline.optimize(MODELS / name, passes="cut-positions", overrides=["cut-positions.last_token_logits=true"])
+    res = pipeline.optimize(MODELS / name, OptimizeOptions(
+        passes="cut-positions", overrides=["cut-positions.last_token_logits=true"]))
     rec = res.report.passes[0]
     assert res.ok and rec.status == "ok" and rec.modified, (rec.notes, rec.error)
     assert rec.rule_counts["ops-cut"] >= 20 and rec.verification["max_abs"] <= 1e-4

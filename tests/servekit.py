@@ -23,11 +23,13 @@ def remove_padding_minilm(src: str) -> Path:
     made once per test run (a temporary folder removed at exit)."""
     from graphopt import io
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     out_dir = tempfile.mkdtemp(prefix="graphopt-serve-tests-")
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
     out = Path(out_dir) / "minilm-rp.onnx"
-    result = pipeline.optimize(src, passes="cleanup,fuse,remove-padding", verify_level="structure")
+    result = pipeline.optimize(src, OptimizeOptions(passes="cleanup,fuse,remove-padding",
+                                                    verify_level="structure"))
     assert result.ok, result.report.failed()
     assert [p.name for p in result.report.passes if p.modified][-1] == "remove-padding"
     io.save(result.model, out)

@@ -21,6 +21,7 @@ from onnx import numpy_helper
 from graphopt import io
 from graphopt.data import feeds as feeds_mod
 from graphopt.engine import pipeline
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.verify import run_model
 from graphopt.errors import RuntimeSetupError
 from graphopt.runtime import session as runtime
@@ -94,7 +95,7 @@ def test_backend_model_preserved(model_path, tmp_path, request):
         EXCLUDED[request.node.callspec.id] = e.message
         pytest.skip(f"excluded: ONNX Runtime itself cannot run the original model: {e.message[:160]}")
 
-    res = pipeline.optimize(ir_model, feeds=feeds)
+    res = pipeline.optimize(ir_model, OptimizeOptions(feeds=feeds))
     assert res.ok, [p.error for p in res.report.failed()]
     out = io.save(res.model, tmp_path / "opt.onnx")
     got = run_model(out, feeds)

@@ -19,6 +19,7 @@ import pytest
 from conftest import load_models_module
 from graphopt import interrupt, io, memory
 from graphopt.engine import pipeline
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError
 
@@ -56,21 +57,21 @@ def test_materialize_streams_external_weights_beside_them(tiny_decoder):
 
 def test_streamed_and_in_memory_paths_agree(tmp_path, tiny_decoder, monkeypatch):
     feeds = [{"input_ids": np.array([[5, 6, 7]])}]
-    streamed = pipeline.optimize(str(tiny_decoder), feeds=feeds)
+    streamed = pipeline.optimize(str(tiny_decoder), OptimizeOptions(feeds=feeds))
     inline = io.save(io.load(tiny_decoder), tmp_path / "inline.onnx", external_data=False)
     assert not io.streams(io.load(inline))
-    in_memory = pipeline.optimize(str(inline), feeds=feeds)
+    in_memory = pipeline.optimize(str(inline), OptimizeOptions(feeds=feeds))
     assert streamed.ok and in_memory.ok
     assert [p.status for p in streamed.report.passes] == [p.status for p in in_memory.report.passes]
     assert io.to_proto(streamed.model).graph == io.to_proto(in_memory.model).graph
     monkeypatch.setattr(io, "STREAM_BYTES", 0)  # a model in memory streams through a temporary folder
     assert io.streams(io.load(inline))
-    forced = pipeline.optimize(str(inline), feeds=feeds)
+    forced = pipeline.optimize(str(inline), OptimizeOptions(feeds=feeds))
     assert io.to_proto(forced.model).graph == io.to_proto(in_memory.model).graph
 
 
 def test_save_writes_external_models_with_their_own_data(tmp_path, tiny_decoder):
-    res = pipeline.optimize(str(tiny_decoder), passes="cleanup", verify_level="structure")
+    res = pipeline.optimize(str(tiny_decoder), OptimizeOptions(passes="cleanup", verify_level="structure"))
     out = io.save(res.model, tmp_path / "elsewhere" / "out.onnx")
     assert (tmp_path / "elsewhere" / "out.onnx.data").stat().st_size > TINY.params * 4 // 2
     feeds = [{"input_ids": np.array([[1, 2]])}]

@@ -275,7 +275,7 @@ def test_verify_json_states_the_floor(run_cli, mlp_path):
 
 
 def test_feeds_warns_about_a_thin_held_back_split():
-    from graphopt.cli.feeds import thin_split_warning
+    from graphopt.data.feeds.split import thin_split_warning
 
     w = thin_split_warning(42, 32)
     assert w.startswith("42 lines make 2 feed(s), too few for a meaningful held-back check")

@@ -63,9 +63,10 @@ def test_minilm_onnxscript_fusions(minilm):
 def test_minilm_fuse_pass(minilm, tmp_path):
     """The real `fuse` pass through the pipeline (which writes the graphopt.pass tags)."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path = minilm("dynamo", "sdpa")
-    res = pipeline.optimize(path, passes="fuse", verify_level="structure")
+    res = pipeline.optimize(path, OptimizeOptions(passes="fuse", verify_level="structure"))
     # a fuse pass that fails or fuses nothing is a regression, not a reason to skip
     assert res.ok, [(p.name, p.status, p.error) for p in res.report.failed()]
     out = io.save(res.model, tmp_path / "fused.onnx")
@@ -87,9 +88,10 @@ def test_minilm_default_recipe_credits_fuse_and_pairs_nothing_unrelated(minilm, 
     """The default recipe (cleanup, fuse, remove-padding): remove-padding rebuilds every fused op on packed
     tokens; the diff still credits each to fuse, with the chain, and pairs only what the passes replaced."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path = minilm("dynamo", "sdpa")
-    res = pipeline.optimize(path, verify_level="structure")
+    res = pipeline.optimize(path, OptimizeOptions(verify_level="structure"))
     assert res.ok and [p.name for p in res.report.passes if p.modified] == ["fuse", "remove-padding"]
     out = io.save(res.model, tmp_path / "opt.onnx")
     r = diff_models(path, out)

@@ -12,6 +12,7 @@ import pytest
 from graphopt import PASS_TAG, io
 from graphopt.diff import diff_models
 from graphopt.engine import pipeline, provenance, registry
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.registry import GraphoptPass, PassResult
 
 H = 8
@@ -121,7 +122,7 @@ def _test_passes():
 
 
 def _run(passes: str, **kw) -> ir.Model:
-    res = pipeline.optimize(mlp_gelu(), passes=passes, **kw)
+    res = pipeline.optimize(mlp_gelu(), OptimizeOptions(passes=passes, **kw))
     assert res.ok and all(p.modified for p in res.report.passes), [(p.name, p.status, p.error) for p in res.report.passes]
     return res.model
 

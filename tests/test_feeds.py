@@ -18,6 +18,7 @@ from onnx import helper as h
 from onnx import numpy_helper
 
 from graphopt import io
+from graphopt.cli.options import parse_input_shapes, parse_input_values
 from graphopt.data import feeds as feeds_mod
 from graphopt.data.feeds import split_feeds
 from graphopt.engine import pipeline
@@ -255,16 +256,16 @@ def test_no_runnable_feed_is_numerics_unverified(tmp_path, caplog):
 
 
 def test_overrides_parse():
-    assert feeds_mod.parse_input_shapes(["images:1,3,320,320", "x:[2,4]", "s:"]) == {
+    assert parse_input_shapes(["images:1,3,320,320", "x:[2,4]", "s:"]) == {
         "images": [1, 3, 320, 320], "x": [2, 4], "s": []}
-    vals = feeds_mod.parse_input_values(["sr=16000", "shape=1,3,1", "t=0.5"])
+    vals = parse_input_values(["sr=16000", "shape=1,3,1", "t=0.5"])
     assert int(vals["sr"]) == 16000 and vals["shape"].tolist() == [1, 3, 1] and float(vals["t"]) == 0.5
     for bad in (["images"], ["images:1,a"], [":1,2"], ["x:1,-2"], ["x:1", "x:2"]):
         with pytest.raises(UsageError):
-            feeds_mod.parse_input_shapes(bad)
+            parse_input_shapes(bad)
     for bad in (["sr"], ["sr="], ["=3"], ["sr=abc"]):
         with pytest.raises(UsageError):
-            feeds_mod.parse_input_values(bad)
+            parse_input_values(bad)
 
 
 # ----------------------------------------------------------------- CLI

@@ -114,6 +114,7 @@ def _counts(model: ir.Model) -> collections.Counter:
 def test_default_recipe_fuses_loads_and_matches(family, tmp_path):
     from graphopt import io
     from graphopt.data.feeds import generate
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.pipeline import optimize
 
     model = _load(family)
@@ -123,7 +124,7 @@ def test_default_recipe_fuses_loads_and_matches(family, tmp_path):
     feeds = generate(model)
 
     # (a) every pass ok, nothing rolled back
-    result = optimize(src, explain=True)
+    result = optimize(src, OptimizeOptions(explain=True))
     statuses = {p.name: p.status for p in result.report.passes}
     assert result.ok and set(statuses.values()) == {"ok"}, [(p.name, p.status, p.error) for p in result.report.passes]
     assert statuses["fuse"] == "ok" and "fuse" in statuses
@@ -182,13 +183,14 @@ def test_decoder_options_load(family, option, tmp_path):
     their start, partial rotary) and the CUDA forms (Skip* norms kept) pass and load too."""
     from graphopt import io
     from graphopt.data.feeds import generate
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.pipeline import optimize
 
     model = _load(family)
     src = tmp_path / "export.onnx"
     io.save(model, src)
     kw = {"overrides": ["fuse.gqa=true"]} if option == "gqa" else {"provider": "cuda"}
-    result = optimize(src, **kw)
+    result = optimize(src, OptimizeOptions(**kw))
     assert result.ok and {p.status for p in result.report.passes} == {"ok"}, [
         (p.name, p.status, p.error) for p in result.report.passes]
     ops = _counts(result.model)

@@ -20,6 +20,7 @@ from conftest import load_models_module
 from graphopt.data import metrics, outputs
 from graphopt.diff import diff_models, numeric, staged, structural
 from graphopt.engine import pipeline
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.verify import run_model, verify
 from graphopt.runtime import session as runtime
 
@@ -38,7 +39,8 @@ def tiny_bert():
     pytest.importorskip("torch", reason="torch is needed to export the tiny models")
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
     a = ir.load(path)
-    b = pipeline.optimize(str(path), passes="cleanup,fuse,remove-padding", verify_level="structure").model
+    b = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse,remove-padding",
+                                                     verify_level="structure")).model
     return a, b
 
 
@@ -238,7 +240,7 @@ def test_pipeline_report_unchanged_when_outputs_spill(tiny_bert, monkeypatch):
 
     def numbers(mem):
         monkeypatch.setattr(outputs, "MEMORY_BYTES", mem)
-        rep = pipeline.optimize(a.clone(), feeds=feeds).report
+        rep = pipeline.optimize(a.clone(), OptimizeOptions(feeds=feeds)).report
         assert rep.ok, [p.error for p in rep.passes]
         return [{k: v for k, v in p.verification.items() if k != "seconds"} for p in rep.passes], rep.final
 

@@ -11,6 +11,7 @@ import pytest
 
 from graphopt import PASS_TAG, io
 from graphopt.engine import pipeline, recipe, registry
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.registry import GraphoptPass, PassResult
 from graphopt.errors import UsageError
 
@@ -133,16 +134,16 @@ def test_debug_dir_saves_pair(run_cli, mlp_path, tmp_path):
 
 
 def test_crashing_pass_reported_not_raised(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="test-crash,cleanup")
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-crash,cleanup"))
     assert res.ok  # lossless: rolled back, the recipe went on
     assert [p.status for p in res.report.passes] == ["error", "ok"]
     assert "boom" in res.report.passes[0].error
-    res = pipeline.optimize(mlp_path, passes="test-crash,cleanup", strict=True)
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-crash,cleanup", strict=True))
     assert not res.ok and [p.status for p in res.report.passes] == ["error"]
 
 
 def test_a_pass_that_keeps_state_breaks_the_protocol(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="test-keeps-state", strict=True)
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-keeps-state", strict=True))
     assert not res.ok
     assert "wrote seen on itself" in res.report.passes[0].error
 
@@ -156,7 +157,7 @@ def test_pass_is_built_once(mlp_path, monkeypatch):
         orig(self, **kw)
 
     monkeypatch.setattr(CorruptWeight, "__init__", counting)
-    pipeline.optimize(mlp_path, passes="test-corrupt-weight")
+    pipeline.optimize(mlp_path, OptimizeOptions(passes="test-corrupt-weight"))
     assert len(built) == 1
 
 
@@ -185,14 +186,14 @@ def test_a_builtin_module_failing_to_import_is_named(monkeypatch, run_cli):
 
 
 def test_new_nodes_tagged_with_pass_name(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="test-add-noop")
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-add-noop"))
     assert res.ok
     tagged = [n for n in res.model.graph if n.metadata_props.get(PASS_TAG)]
     assert [(n.op_type, n.metadata_props[PASS_TAG]) for n in tagged] == [("Identity", "test-add-noop")]
 
 
 def test_report_counts_and_delta(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="cleanup")
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="cleanup"))
     rec = res.report.passes[0]
     assert rec.modified and rec.status == "ok"
     assert rec.nodes_before == 6 and rec.nodes_after == 4  # Mul folded, Identity removed
@@ -203,7 +204,8 @@ def test_report_counts_and_delta(mlp_path):
 
 
 def test_set_option_reaches_pass(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="cleanup", overrides=["cleanup.fold_constants=false"])
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="cleanup",
+                                                      overrides=["cleanup.fold_constants=false"]))
     assert res.report.passes[0].options["fold_constants"] is False
     assert "Mul" in res.report.ops_after  # nothing folded
 
@@ -230,7 +232,7 @@ def test_recipe_toml_roundtrip(tmp_path, mlp_path):
     r.write_text('name = "mine"\n[[step]]\npass = "cleanup"\noptions = { cse = false }\n')
     rec = recipe.load(r)
     assert rec.name == "mine" and rec.steps[0].options == {"cse": False}
-    res = pipeline.optimize(mlp_path, rec)
+    res = pipeline.optimize(mlp_path, OptimizeOptions(recipe=rec))
     assert res.ok and res.report.recipe == "mine"
 
 
@@ -284,7 +286,7 @@ def test_recipe_descriptions_say_their_steps():
 
 
 def test_verify_structure_level_skips_numerics(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="test-corrupt-weight", verify_level="structure")
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-corrupt-weight", verify_level="structure"))
     assert res.ok  # structure cannot see a numeric bug; numeric level does (test above)
     assert "max_abs" not in res.report.passes[0].verification
 
@@ -308,7 +310,7 @@ def test_external_data_roundtrip(tmp_path, mlp_path, monkeypatch):
     m2 = io.load(out)
     # lazily mapped: the tensor is external until read
     assert any(isinstance(v.const_value, ir.ExternalTensor) for v in m2.graph.initializers.values())
-    res = pipeline.optimize(out, passes="cleanup")
+    res = pipeline.optimize(out, OptimizeOptions(passes="cleanup"))
     assert res.ok
     # above the protobuf limit the saver switches to external data by itself
     monkeypatch.setattr(io, "PROTO_LIMIT", 100)
@@ -346,19 +348,20 @@ class NudgeWeights(GraphoptPass):
 
 
 def test_lossy_pass_verified_against_budget(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="test-nudge", budget="cosine>=0.99")
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-nudge", budget="cosine>=0.99"))
     rec = res.report.passes[0]
     assert res.ok and rec.status == "ok" and rec.verification["budget"] == "cosine>=0.99"
     assert 0 < rec.verification["max_abs"] and rec.verification["cosine"] >= 0.99
-    res = pipeline.optimize(mlp_path, passes="test-nudge", overrides=["test-nudge.eps=0.5"], budget="cosine>=0.99")
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-nudge", overrides=["test-nudge.eps=0.5"],
+                                                      budget="cosine>=0.99"))
     assert not res.ok and res.report.passes[0].status == "rolled-back"
     assert "cosine>=0.99 not met" in res.report.passes[0].error
 
 
 def test_lossy_pass_default_budget(mlp_path):
-    res = pipeline.optimize(mlp_path, passes="test-nudge")
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-nudge"))
     assert res.ok and res.report.passes[0].verification["budget"] == "cosine>=0.999"
-    res = pipeline.optimize(mlp_path, passes="test-nudge", overrides=["test-nudge.eps=0.2"])
+    res = pipeline.optimize(mlp_path, OptimizeOptions(passes="test-nudge", overrides=["test-nudge.eps=0.2"]))
     assert not res.ok  # the pass's own default budget still applies
 
 

@@ -12,6 +12,7 @@ import pytest
 from graphopt import deploy, io
 from graphopt.bench import bench_thread_counts
 from graphopt.data.feeds import runnable
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.pipeline import optimize
 from graphopt.errors import RuntimeSetupError
 from graphopt.runtime import session as runtime
@@ -23,7 +24,7 @@ def _meta(path) -> dict:
 
 
 def test_pipeline_records_the_measured_settings(mlp_path, tmp_path):
-    res = optimize(str(mlp_path), passes="cleanup")
+    res = optimize(str(mlp_path), OptimizeOptions(passes="cleanup"))
     out = tmp_path / "o.onnx"
     io.save(res.model, out)
     assert json.loads(_meta(out)[session_hints.KEY]) == session_hints.MEASURED

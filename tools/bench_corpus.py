@@ -30,6 +30,7 @@ import corpus  # noqa: E402
 from graphopt import io  # noqa: E402
 from graphopt.bench import harness, session_bench  # noqa: E402
 from graphopt.engine import pipeline  # noqa: E402
+from graphopt.engine.options import OptimizeOptions  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def bench_entry(entry, *, rounds: int, threads: int, clock: str, round_ms: float
     row = {"model": entry.name, "kind": entry.kind, "source": f"{entry.dist}:{entry.path or '(built)'}"}
     t0 = time.perf_counter()
     try:
-        res = pipeline.optimize(src, feeds=feeds)
+        res = pipeline.optimize(src, OptimizeOptions(feeds=feeds))
     except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
         msg = getattr(e, "message", str(e)).replace(str(src), Path(src).name)
         row["error"] = f"{type(e).__name__}: {msg[:160]}"

@@ -91,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt import bench
     from graphopt.data import metrics
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.registry import PassContext
     from graphopt.exporters import text_feeds
     from graphopt.rewrites.early_exit import EarlyExit
     from graphopt.runtime import session as runtime
 
     path, tok, held_lines, calib, held = _data(args.workload, args.calib_pairs)
-    fused = pipeline.optimize(str(path), passes="cleanup,fuse", verify_level="structure").model
+    fused = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse",
+                                                         verify_level="structure")).model
     proto = ir.to_proto(fused)
     variants: dict[str, ir.Model] = {"full": fused}
     notes: dict[str, list[str]] = {}

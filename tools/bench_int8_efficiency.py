@@ -197,13 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = minilm.build("dynamo", "sdpa")
     paths: dict[str, str] = {}
     if args.build:
+        from graphopt.engine.options import OptimizeOptions
         from graphopt.engine.pipeline import optimize
         from graphopt.engine.recipe import load
 
         out = Path(args.build)
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        res = optimize(str(fp32), load("int8"), feeds=calib)
+        res = optimize(str(fp32), OptimizeOptions(recipe=load("int8"), feeds=calib))
         if not res.report.ok:
             raise SystemExit("the int8 recipe failed: " + "; ".join(p.error or "" for p in res.report.passes))
         io.save(res.model, out / "int8.onnx")

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.data import feeds as feeds_mod
     from graphopt.data.metrics import compare
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.verify import run_model
     from graphopt.runtime.session import make_session, run
 
@@ -56,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             ref = run(make_session(str(src), optimize=False), feeds)
             for precision in ("fp16", "bf16"):
                 t0 = time.perf_counter()
-                res = pipeline.optimize(str(src), passes=passes, provider=provider, feeds=feeds * 2,
-                                        overrides=[f"convert-precision.precision={precision}"])
+                res = pipeline.optimize(str(src), OptimizeOptions(
+                    passes=passes, provider=provider, feeds=feeds * 2,
+                    overrides=[f"convert-precision.precision={precision}"]))
                 rec = res.report.passes[-1]
                 out = Path(tmp) / f"{name}-{provider}-{precision}.onnx"
                 row = {"model": name, "recipe": passes, "provider": provider, "precision": precision,

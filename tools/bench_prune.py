@@ -53,8 +53,9 @@ def _pooled_cosine(got, ref, feeds) -> float:
 
 def _fused(model: str, passes: str = "cleanup,fuse,remove-padding"):
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
-    res = pipeline.optimize(model, passes=passes, verify_level="structure")
+    res = pipeline.optimize(model, OptimizeOptions(passes=passes, verify_level="structure"))
     return res.model
 
 
@@ -106,6 +107,7 @@ def speed(args) -> dict:
     from graphopt.bench import bench_sessions, by_name, open_sessions, speedups
     from graphopt.data import feeds as feeds_mod
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.recipe import load as load_recipe
 
     base_recipe, pruned_recipe = ("int8", "prune-int8") if args.recipe == "int8" else (None, None)
@@ -121,12 +123,15 @@ def speed(args) -> dict:
         out.update(prev)
         print(f"loaded the models from {saved}", flush=True)
     elif base_recipe:
-        base = pipeline.optimize(args.model, load_recipe(base_recipe), calib=args.calib, budget=budget)
-        pruned = pipeline.optimize(args.model, load_recipe(pruned_recipe), calib=args.calib, budget=budget)
+        base = pipeline.optimize(args.model, OptimizeOptions(recipe=load_recipe(base_recipe),
+                                                             calib=args.calib, budget=budget))
+        pruned = pipeline.optimize(args.model, OptimizeOptions(recipe=load_recipe(pruned_recipe),
+                                                               calib=args.calib, budget=budget))
     else:
-        base = pipeline.optimize(args.model, passes="cleanup,fuse,remove-padding", calib=args.calib)
-        pruned = pipeline.optimize(args.model, passes="cleanup,fuse,remove-padding,prune-heads",
-                                   calib=args.calib, budget=budget)
+        base = pipeline.optimize(args.model, OptimizeOptions(passes="cleanup,fuse,remove-padding",
+                                                             calib=args.calib))
+        pruned = pipeline.optimize(args.model, OptimizeOptions(
+            passes="cleanup,fuse,remove-padding,prune-heads", calib=args.calib, budget=budget))
     if "base" not in out:
         out["optimize_s"] = round(time.perf_counter() - t0, 1)
         for tag, res in (("base", base), ("pruned", pruned)):

@@ -131,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                        hidden_size=384).save_model_to_file(str(fused))
         fp_name = "fp32 fused (ORT optimizer, torchscript eager)"
     else:
+        from graphopt.engine.options import OptimizeOptions
         from graphopt.engine.pipeline import optimize
 
         exporter, attn = args.exporter.split("-")
-        res = optimize(minilm.build(exporter, attn), passes="cleanup,fuse", verify_level="structure")
+        res = optimize(minilm.build(exporter, attn), OptimizeOptions(passes="cleanup,fuse",
+                                                                     verify_level="structure"))
         io.save(res.model, fused)
         fp_name = f"fp32 fused (graphopt fuse, {args.exporter})"
     # ORT's quantizers copy Attention attributes onto QAttention, which has no qkv_hidden_sizes
@@ -150,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     packed = None
     if args.packed:
         # the default recipe's output (cleanup, fuse, remove-padding): the fp32 model the `int8` recipe quantizes
+        from graphopt.engine.options import OptimizeOptions
         from graphopt.engine.pipeline import optimize
 
         packed = out / "fp32-packed.onnx"
-        io.save(optimize(fused, passes="remove-padding", verify_level="structure").model, packed)
+        io.save(optimize(fused, OptimizeOptions(passes="remove-padding",
+                                                verify_level="structure")).model, packed)
         paths["fp32 fused + remove-padding (graphopt default recipe)"] = packed
     fp_opts = {"DefaultTensorType": onnx.TensorProto.FLOAT}
     for pc in (False, True):

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.data.metrics import compare
     from graphopt.engine import pipeline
     from graphopt.engine import recipe as recipe_mod
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.verify import run_model
 
     out = Path(args.out)
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = {"lossless (default recipe)": out / "default.onnx", "int8 recipe": out / "int8.onnx"}
     for name, rec in (("lossless (default recipe)", "default"), ("int8 recipe", "int8")):
         if not paths[name].exists():
-            res = pipeline.optimize(model, recipe_mod.load(rec), calib=calib_dir, budget=budget)
+            res = pipeline.optimize(model, OptimizeOptions(recipe=recipe_mod.load(rec), calib=calib_dir,
+                                                           budget=budget))
             assert res.ok, res.report.failed()
             io.save(res.model, paths[name])
     print(f"recipes in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

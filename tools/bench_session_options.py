@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from graphopt import io
     from graphopt.bench import Table, bench_sessions, by_name
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.pipeline import optimize
     from graphopt.engine.recipe import load
     from graphopt.runtime import session as runtime
@@ -71,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     models = {}
     default = out / "default.onnx"
     if not default.exists():
-        io.save(optimize(str(fp32), verify_level="structure").model, default)
+        io.save(optimize(str(fp32), OptimizeOptions(verify_level="structure")).model, default)
     models["default recipe"] = str(default)
     int8 = Path(args.int8) if args.int8 else out / "int8.onnx"
     if not int8.exists():
-        res = optimize(str(fp32), load("int8"), feeds=calib)
+        res = optimize(str(fp32), OptimizeOptions(recipe=load("int8"), feeds=calib))
         io.save(res.model, int8)
     models["int8 recipe"] = str(int8)
 

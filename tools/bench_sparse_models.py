@@ -47,6 +47,7 @@ def bert_base(rounds: int, batch: int, seq: int) -> dict:
 
     from graphopt.bench import bench_sessions, speedups
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.registry import PassContext
     from graphopt.rewrites.sparsify import SparsifyPass
     from graphopt.runtime import session as runtime
@@ -64,7 +65,8 @@ def bert_base(rounds: int, batch: int, seq: int) -> dict:
         return {k: v for k, v in f.items() if k in names}
 
     small = [feed(2, 32), feed(2, 32)]
-    dense = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=small, verify_level="structure").model
+    dense = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse", feeds=small,
+                                                         verify_level="structure")).model
     sessions = {"dense (fused)": runtime.make_session(dense, threads=1, spinning=False)}
     for cols in (32, 128):
         t0 = time.perf_counter()
@@ -96,6 +98,7 @@ def minilm(rounds: int, n_sent: int, only: list[str] | None = None) -> dict:
     from graphopt.bench import bench_sessions, print_table, speedups
     from graphopt.data.metrics import compare
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.registry import PassContext
     from graphopt.rewrites.contextual_sparsity import ContextualSparsityPass
     from graphopt.rewrites.sparsify import SparsifyPass
@@ -115,7 +118,8 @@ def minilm(rounds: int, n_sent: int, only: list[str] | None = None) -> dict:
     half = n_sent // 2
     calib, held = batches(sentences[:half], 16), batches(sentences[half:], 32)
     path = minilm_mod.build(exporter="dynamo", attn="eager")
-    dense = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=calib[:2], verify_level="structure").model
+    dense = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse", feeds=calib[:2],
+                                                         verify_level="structure")).model
     names = [o.name for o in dense.graph.outputs]
     ref = runtime.run(runtime.make_session(dense, threads=1), held)
 
@@ -182,6 +186,7 @@ def budget_check(budget: str, n_sent: int, passes: list[str], overrides: list[st
 
     from graphopt.data.metrics import compare, parse_budget
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.runtime import session as runtime
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_mod.source_folder())
@@ -196,13 +201,15 @@ def budget_check(budget: str, n_sent: int, passes: list[str], overrides: list[st
 
     given, unseen = batches(sentences[:n_sent]), batches(sentences[n_sent:])
     path = minilm_mod.build(exporter="dynamo", attn="eager")
-    dense = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=given[:2], verify_level="structure").model
+    dense = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse", feeds=given[:2],
+                                                         verify_level="structure")).model
     ref = runtime.run(runtime.make_session(dense, threads=1), unseen)
     rows = []
     for name in passes:
         t0 = time.perf_counter()
-        res = pipeline.optimize(str(path), passes=f"cleanup,fuse,{name}", feeds=given, budget=budget,
-                                keep_going=True, overrides=[o for o in overrides if o.startswith(name + ".")])
+        res = pipeline.optimize(str(path), OptimizeOptions(
+            passes=f"cleanup,fuse,{name}", feeds=given, budget=budget, keep_going=True,
+            overrides=[o for o in overrides if o.startswith(name + ".")]))
         rec = res.report.passes[-1]
         row = {"pass": name, "overrides": overrides, "status": rec.status, "modified": rec.modified, "seconds": round(time.perf_counter() - t0),
                "notes": rec.notes}

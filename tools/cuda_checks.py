@@ -79,9 +79,8 @@ class Sessions:
 
     def make(self, model, *, parity: bool):
         from graphopt import io
-        from graphopt.engine.verify import runnable
         from graphopt.errors import first_line
-        from graphopt.runtime.session import make_session, session_options
+        from graphopt.runtime.session import make_session, runnable, session_options
 
         if self.dry_run:
             return make_session(runnable(model, "cpu")[0], provider="cpu", optimize=True)
@@ -173,10 +172,11 @@ def check_remove_padding(path: Path, label: str, sessions: Sessions, atol: float
     from graphopt.bench import bench_sessions
     from graphopt.data.metrics import compare
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.runtime.session import make_session, run
 
     t0 = time.perf_counter()
-    res = pipeline.optimize(str(path), provider="cuda")
+    res = pipeline.optimize(str(path), OptimizeOptions(provider="cuda"))
     t_opt = time.perf_counter() - t0
     rp = next((r for r in res.report.passes if r.name == "remove-padding"), None)
     ops = collections.Counter(n.op_type for n in res.model.graph)
@@ -220,6 +220,7 @@ def check_remove_padding(path: Path, label: str, sessions: Sessions, atol: float
 def check_quantize(path: Path, label: str, sessions: Sessions, seqs: list[np.ndarray]) -> dict:
     from graphopt.data.metrics import compare, parse_budget
     from graphopt.engine import pipeline, recipe
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.rewrites.quantize import DEFAULT_BUDGET
     from graphopt.runtime.session import make_session, run
 
@@ -227,8 +228,8 @@ def check_quantize(path: Path, label: str, sessions: Sessions, seqs: list[np.nda
     half = max(1, len(batches) // 2)
     calib, held = batches[:half], batches[half:] or batches
     t0 = time.perf_counter()
-    res = pipeline.optimize(str(path), recipe.load("int8", provider="cuda"), provider="cuda", feeds=calib,
-                            budget=DEFAULT_BUDGET)
+    res = pipeline.optimize(str(path), OptimizeOptions(recipe=recipe.load("int8", provider="cuda"),
+                                                       provider="cuda", feeds=calib, budget=DEFAULT_BUDGET))
     t_opt = time.perf_counter() - t0
     q = next((r for r in res.report.passes if r.name == "quantize"), None)
     ops = collections.Counter(n.op_type for n in res.model.graph)
@@ -254,11 +255,13 @@ def check_fp16(path: Path, label: str, sessions: Sessions, seqs: list[np.ndarray
     from graphopt.bench import bench_sessions
     from graphopt.data.metrics import compare, parse_budget
     from graphopt.engine import pipeline, recipe
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.runtime.session import make_session, run
 
     batches, feeds, names = parity_feeds(seqs)
     t0 = time.perf_counter()
-    res = pipeline.optimize(str(path), recipe.load("fp16", provider="cuda"), provider="cuda")
+    res = pipeline.optimize(str(path), OptimizeOptions(recipe=recipe.load("fp16", provider="cuda"),
+                                                       provider="cuda"))
     t_opt = time.perf_counter() - t0
     conv = next((r for r in res.report.passes if r.name == "convert-precision"), None)
     dtypes = collections.Counter((n.op_type, n.outputs[0].dtype.name) for n in res.model.graph
@@ -281,7 +284,8 @@ def check_fp16(path: Path, label: str, sessions: Sessions, seqs: list[np.ndarray
     row.update(cosine_min_by_case=per_case, budget=FP16_BUDGET, passed=not failures,
                error="; ".join(failures) if failures else None)
     if row["passed"] and rounds:
-        packed32 = pipeline.optimize(str(path), provider="cuda", verify_level="structure").model
+        packed32 = pipeline.optimize(str(path), OptimizeOptions(provider="cuda",
+                                                                verify_level="structure")).model
         timed = {"export-fp32": sessions.make(ir.load(path), parity=False),
                  "packed-fp32": sessions.make(packed32, parity=False),
                  "packed-fp16": sessions.make(res.model, parity=False)}

@@ -14,8 +14,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.engine.report import op_key
-from graphopt.opsets import MS_DOMAIN, node_domain
+from graphopt.opsets import MS_DOMAIN, node_domain, op_key
 
 logger = logging.getLogger(__name__)
 

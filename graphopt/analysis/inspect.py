@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from graphopt import io
 from graphopt.analysis.params import parameter_count
-from graphopt.engine.report import op_histogram
+from graphopt.opsets import op_histogram
 
 
 def _sig(values) -> list[dict]:

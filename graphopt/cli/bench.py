@@ -79,12 +79,8 @@ def command(
 
         require_cuda()  # before loading models or making feeds
     shapes, values = feed_overrides(input_shape, input_value, calib)
-    first = io.load(models[0])
-    if calib is not None:
-        feeds = feeds_mod.load_dir(calib)
-        feeds_mod.check_against(first, feeds)
-    else:
-        feeds, _ = feeds_mod.runnable(first, count=1, batch=batch, seq=seq, padded=False, shapes=shapes, values=values)
+    feeds = feeds_mod.select(io.load(models[0]), calib=calib, shapes=shapes, values=values,
+                             count=1, batch=batch, seq=seq, padded=False).feeds
     for m in models[1:]:
         io.load(m, check_external=True)  # fail early and clearly on a bad path
     names = {}

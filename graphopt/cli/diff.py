@@ -60,16 +60,8 @@ def command(
     shapes, values = feed_overrides(input_shape, input_value, calib)
     if (shapes or values) and not numeric:
         raise UsageError("--input-shape/--input-value need --numeric")
-    feeds = None
-    if calib is not None:
-        from graphopt.data.feeds import load_dir
-
-        feeds = load_dir(calib)
-    elif shapes or values:  # generated feeds that make A run, with the given shapes and values
-        from graphopt.data.feeds import runnable
-
-        feeds, _ = runnable(io.load(a), shapes=shapes, values=values)
-    result = diff_models(a, b, numeric=numeric, feeds=feeds, atol=atol, rtol=rtol)
+    result = diff_models(a, b, numeric=numeric, calib=calib, input_shapes=shapes, input_values=values,
+                         atol=atol, rtol=rtol)
     if report is not None:
         io.write_atomic(report, result.to_json() + "\n")
     if html_file is not None:

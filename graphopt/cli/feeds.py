@@ -12,29 +12,6 @@ import typer
 
 from graphopt.cli.options import Json
 
-#: below these, the half of the feeds that ``optimize --calib`` holds back to check a lossy pass's budget
-#: (``graphopt.data.feeds.split_feeds``) is too small for the check to mean much
-MIN_FEEDS = 4
-MIN_HELD_BACK_ITEMS = 64
-
-
-def thin_split_warning(items: int, batch: int) -> str | None:
-    """A warning when ``items`` lines in feeds of ``batch`` make too thin a held-back split, else None."""
-    from graphopt.data.feeds import split_feeds
-
-    sizes = [min(batch, items - start) for start in range(0, items, batch)]
-    calibrate, held = split_feeds(sizes)
-    if len(sizes) >= MIN_FEEDS and sum(held) >= MIN_HELD_BACK_ITEMS:
-        return None
-    lines = max(MIN_FEEDS * batch, 2 * MIN_HELD_BACK_ITEMS)
-    if held is calibrate:
-        split = f"with fewer than 2 feeds the same {items} items both calibrate and check"
-    else:
-        split = (f"--calib calibrates on {len(calibrate)} feed(s) ({sum(calibrate)} items) and checks budgets on "
-                 f"the {len(held)} held back ({sum(held)} items)")
-    return (f"{items} lines make {len(sizes)} feed(s), too few for a meaningful held-back check: {split}; "
-            f"use at least {lines} lines at --batch {batch} ({MIN_FEEDS}+ feeds, {MIN_HELD_BACK_ITEMS}+ items held back)")
-
 
 def command(
     tokenizer: Annotated[Path, typer.Option("--tokenizer", help="Hugging Face folder holding the tokenizer.")],
@@ -54,6 +31,7 @@ def command(
     from rich.markup import escape
 
     from graphopt.cli.console import make_console
+    from graphopt.data.feeds.split import thin_split_warning
     from graphopt.exporters.text_feeds import write_text_feeds
 
     stats = write_text_feeds(tokenizer, text, output, batch=batch, max_length=max_length, order=order, seed=seed)

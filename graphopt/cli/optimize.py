@@ -72,11 +72,10 @@ def command(
     without it (a warning; --strict: exit 3, no output). A lossy pass that fails or cannot meet
     --budget (or its default budget) stops the run: exit 3, no output, unless --keep-going.
     """
-    from graphopt import io
     from graphopt.cli.console import make_console
     from graphopt.data.metrics import parse_budget
     from graphopt.engine import pipeline
-    from graphopt.engine import recipe as recipe_mod
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.errors import UsageError, VerificationError
 
     if output is None and not in_place:
@@ -97,46 +96,27 @@ def command(
         raise UsageError("--workers, --ray and --search-passes go with --search", hint="add --search")
     parsed_budget = parse_budget(budget)
     shapes, values = feed_overrides(input_shape, input_value, calib)
-    io.check_output_path(model, out, in_place=in_place)
-    if model.is_file():
-        from graphopt import memory
-
-        memory.plan(model, verify, memory.parse_size(max_memory) if max_memory is not None else None)
-    rec = recipe_mod.load(recipe, provider=provider) if recipe else None
+    options = OptimizeOptions(
+        recipe=recipe, passes=passes, overrides=set_ or [], calib=calib, input_shapes=shapes, input_values=values,
+        budget=parsed_budget, provider=provider, verify_level=verify, keep_going=keep_going, strict=strict,
+        max_memory=max_memory, debug_dir=debug_dir, explain=explain,
+    )
 
     console = make_console(stderr=True)
     with console.status("optimizing…") as status:
-        result = pipeline.optimize(
-            model,
-            rec,
-            passes=passes,
-            overrides=set_ or [],
-            calib=calib,
-            input_shapes=shapes,
-            input_values=values,
-            budget=parsed_budget,
-            provider=provider,
-            verify_level=verify,
-            keep_going=keep_going,
-            strict=strict,
-            debug_dir=debug_dir,
-            explain=explain,
-            on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"),
-        )
+        result = pipeline.optimize_file(model, out, options, external_data=external_data, in_place=in_place,
+                                        on_step=lambda name, i, n: status.update(f"pass {i + 1}/{n}: {name}"))
     rep = result.report
     for failed in rep.failed():
         if result.ok:
             console.print(f"[bold yellow]warning:[/] pass {failed.name!r} {failed.status}: {failed.error}; "
                           "the output is written without it (--strict fails instead)", highlight=False)
-    if result.ok:
-        io.save(result.model, out, external_data=external_data, src=model, in_place=in_place)
-        rep.output = str(out)
     if report is not None:
         rep.save(report)
     if json_:
         typer.echo(rep.to_json())
     elif not quiet:
-        rep.render(make_console())
+        render(rep, make_console())
     if not result.ok:
         failed = rep.failed()[-1]
         lossy = not failed.exact and not keep_going
@@ -146,3 +126,62 @@ def command(
                                           else "without --strict the model is written without that pass")
             + ", --debug-dir saves the before/after pair",
         )
+
+
+def render(report, console=None) -> None:
+    """Print the optimization report (``graphopt.engine.report.Report``): the per-pass table with rich (headers
+    and pass names never split, see ``graphopt.cli.console``), then notes, rule counts, errors and the summary."""
+    from graphopt.cli.console import make_console, table
+
+    console = console or make_console()
+    t = table(f"graphopt optimize: {report.input}",
+              [("pass", {"no_wrap": True}), ("status", {"no_wrap": True}), "modified", ("s", {"justify": "right"}), "nodes",
+               "op delta", "verification"])
+    for p in report.passes:
+        # largest changes first; the domain is dropped for display (the JSON report keeps it)
+        top = sorted(p.op_delta.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:4]
+        delta = " ".join(f"{k.split('::')[-1]}{v:+d}" for k, v in top)
+        if len(p.op_delta) > 4:
+            delta += f" …+{len(p.op_delta) - 4}"
+        style = {"ok": "green", "rolled-back": "red", "error": "red", "budget-not-met": "red"}.get(p.status, "")
+        t.add_row(
+            p.name,
+            f"[{style}]{p.status}[/]",
+            "yes" if p.modified else "no",
+            f"{p.seconds:.2f}",
+            f"{p.nodes_before} → {p.nodes_after}",
+            delta or "-",
+            _fmt_verif(p.verification),
+        )
+    console.print(t)
+    for p in report.passes:
+        for note in p.notes:
+            console.print(f"[dim]{p.name}: {note}[/]", highlight=False)
+        if p.rule_counts:
+            rc = ", ".join(f"{k}×{v}" for k, v in sorted(p.rule_counts.items()))
+            console.print(f"[dim]{p.name} rules: {rc}[/]", highlight=False)
+        if p.error:
+            console.print(f"[red]{p.name}: {p.error}[/]", highlight=False)
+    if report.numerics.startswith("unverified"):
+        console.print(f"[yellow]numerics {report.numerics}[/]", highlight=False)
+    summary = f"{report.nodes_before} → {report.nodes_after} nodes in {report.seconds:.2f} s"
+    if report.final:
+        summary += " · vs input: " + _fmt_verif(report.final)
+    console.print(summary, highlight=False)
+
+
+def _fmt_verif(v: dict) -> str:
+    if not v:
+        return "-"
+    if v.get("level") == "off":
+        return "off"
+    parts = []
+    if "max_abs" in v:
+        parts.append(f"max_abs {v['max_abs']:.2e}")
+    if "cosine_min" in v:
+        parts.append(f"cos_min {v['cosine_min']:.6f}")
+    if not parts:
+        parts.append(v.get("level", ""))
+    if v.get("reason"):
+        parts.append(v["reason"])
+    return " ".join(parts)

@@ -25,7 +25,7 @@ from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
 from graphopt.diff.scopes import node_scope
 from graphopt.engine import provenance
-from graphopt.engine.report import op_histogram, op_key
+from graphopt.opsets import op_histogram, op_key
 
 __all__ = ["SCHEMA_VERSION", "DiffResult", "diff_models"]
 
@@ -69,6 +69,9 @@ def diff_models(
     *,
     numeric: bool = False,
     feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
+    calib: str | os.PathLike | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    input_values: Mapping[str, np.ndarray] | None = None,
     atol: float = 1e-4,
     rtol: float = 1e-4,
     flop_batch: int = FLOP_BATCH,
@@ -76,8 +79,9 @@ def diff_models(
 ) -> DiffResult:
     """Diff model ``a`` (before) against ``b`` (after); paths are loaded with ``graphopt.io.load``.
 
-    ``numeric``: also run both on ``feeds`` (default: generated from A's inputs) and compare the
-    tensors both graphs still have, with ``atol``/``rtol``.
+    ``numeric``: also run both on the same feeds (``calib``'s, else ``feeds``, else generated to make A
+    run, ``input_shapes`` / ``input_values`` fixing inputs: ``graphopt.data.feeds.select``) and compare
+    the tensors both graphs still have, with ``atol``/``rtol``.
     """
     ma, label_a = _as_model(a)
     mb, label_b = _as_model(b)
@@ -151,7 +155,8 @@ def diff_models(
     if numeric:
         from graphopt.diff import numeric as _numeric
 
-        result.numeric = _numeric.numeric_diff(ma, mb, m, feeds=feeds, atol=atol, rtol=rtol)
+        result.numeric = _numeric.numeric_diff(ma, mb, m, feeds=feeds, calib=calib, shapes=input_shapes,
+                                               values=input_values, atol=atol, rtol=rtol)
         by_id = {r["id"]: r for r in (*ra, *rb)}
         for side in Side:
             for nid, err in result.numeric["node_errors"][side.value].items():

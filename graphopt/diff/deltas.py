@@ -1,6 +1,6 @@
 """Summary deltas of two ONNX graphs: initializers, IO signature, subgraph bodies.
 
-(Op histograms come from ``graphopt.engine.report.op_histogram``, FLOPs from ``graphopt.analysis.flops``.)
+(Op histograms come from ``graphopt.opsets.op_histogram``, FLOPs from ``graphopt.analysis.flops``.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from graphopt.analysis.params import weight_elements
 from graphopt.diff.matching import Matching, NodeId, a_id, b_id, graph_fingerprint
-from graphopt.engine.report import op_histogram, op_key
+from graphopt.opsets import op_histogram, op_key
 
 
 def initializer_stats(graph: ir.Graph) -> dict:

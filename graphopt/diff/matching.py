@@ -31,8 +31,7 @@ import onnx_ir as ir
 
 from graphopt.diff import quantized
 from graphopt.engine import provenance
-from graphopt.engine.report import op_key
-from graphopt.opsets import node_domain
+from graphopt.opsets import node_domain, op_key
 
 
 class Side(enum.Enum):

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.data import feeds as feeds_mod
 from graphopt.diff import staged
 from graphopt.diff.structural import Matching, op_key
 from graphopt.errors import GraphoptError
@@ -54,20 +56,17 @@ def _with_outputs(model: ir.Model, names: Sequence[str]):
     return proto
 
 
-def _feeds_for(ma: ir.Model, mb: ir.Model, feeds):
-    from graphopt.data import feeds as feeds_mod
-
-    if feeds is None:
-        feeds = feeds_mod.runnable(ma)[0]  # generated feeds that make A run
+def _feeds_for(ma: ir.Model, mb: ir.Model, feeds, calib, shapes, values):
+    """A's feeds (``graphopt.data.feeds.select``); generated ones get what B's extra inputs need too."""
+    selection = feeds_mod.select(ma, feeds=feeds, calib=calib, shapes=shapes, values=values, check_given=True)
+    feeds = selection.feeds
+    if selection.source == "generated":
         b_needs = [v.name for v in mb.graph.inputs if v.name not in mb.graph.initializers]
         if any(n not in feeds[0] for n in b_needs):
             extra = feeds_mod.generate(mb, count=len(feeds) - 1 if len(feeds) > 1 else 1)
             for f, e in zip(feeds, extra, strict=False):
                 for k, v in e.items():
                     f.setdefault(k, v)
-    else:
-        feeds = [dict(f) for f in feeds]
-        feeds_mod.check_against(ma, feeds)
     return feeds
 
 
@@ -164,11 +163,15 @@ def numeric_diff(
     m: Matching,
     *,
     feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
+    calib: str | os.PathLike | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    values: Mapping[str, np.ndarray] | None = None,
     atol: float = 1e-4,
     rtol: float = 1e-4,
 ) -> dict[str, Any]:
-    """Compare the paired intermediate tensors of ``ma`` and ``mb``; see the module docstring."""
-    feeds = _feeds_for(ma, mb, feeds)
+    """Compare the paired intermediate tensors of ``ma`` and ``mb``; see the module docstring. Feeds: the
+    ``calib`` folder's, else ``feeds``, else generated to make ``ma`` run (``shapes`` / ``values`` fix inputs)."""
+    feeds = _feeds_for(ma, mb, feeds, calib, shapes, values)
     pairs = _pairs(m)
     comp = _compare_pairs(ma, mb, pairs, feeds, atol, rtol)
     a_idx = {id(n): i for i, n in enumerate(m.a_nodes)}

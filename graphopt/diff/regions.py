@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from graphopt.diff.matching import Matching, NodeId, Side, a_id, b_id
 from graphopt.engine import provenance
-from graphopt.engine.report import op_key
+from graphopt.opsets import op_key
 
 
 def plural(n: int, word: str) -> str:

@@ -18,7 +18,7 @@ from graphopt.diff.matching import (
     tensor_hash,
 )
 from graphopt.diff.regions import Region, find_regions
-from graphopt.engine.report import op_histogram, op_key
+from graphopt.opsets import op_histogram, op_key
 
 __all__ = [
     "FLOP_BATCH", "FLOP_SEQ", "Matching", "NodeId", "Region", "Side", "estimate_flops", "find_regions",

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +25,13 @@ import onnx_ir as ir
 
 from graphopt import io, memory
 from graphopt.data import feeds as feeds_mod
-from graphopt.data.metrics import Budget, parse_budget
+from graphopt.data.metrics import parse_budget
 from graphopt.engine import provenance, registry
-from graphopt.engine import recipe as recipe_mod
-from graphopt.engine.report import PassRecord, Report, count_nodes, op_delta, op_histogram
+from graphopt.engine.options import OptimizeOptions
+from graphopt.engine.report import PassRecord, Report
 from graphopt.engine.verify import check_level, check_structure, run_model, run_session, verify
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
+from graphopt.opsets import count_nodes, op_delta, op_histogram
 from graphopt.runtime import session_hints, standins
 from graphopt.runtime.session import PROVIDERS, make_session
 
@@ -75,24 +76,13 @@ def _tag_new_nodes(model: ir.Model, before: provenance.Snapshot, pass_name: str)
 
 def optimize(
     model: ir.Model | str | os.PathLike,
-    recipe: recipe_mod.Recipe | None = None,
+    options: OptimizeOptions | None = None,
     *,
-    passes: str | Sequence[str] | None = None,
-    overrides: Sequence[str] = (),
-    feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
-    calib: str | os.PathLike | None = None,
-    input_shapes: Mapping[str, Sequence[int]] | None = None,
-    input_values: Mapping[str, np.ndarray] | None = None,
-    budget: Budget | str | Sequence[str] | None = None,
-    provider: str = "cpu",
-    verify_level: str = "numeric",
-    keep_going: bool = False,
-    strict: bool = False,
-    debug_dir: str | os.PathLike | None = None,
-    explain: bool = False,
     on_step: Callable[[str, int, int], None] | None = None,
 ) -> Result:
-    """Run ``recipe`` (default: the builtin default recipe, or ``passes``) on ``model``.
+    """Run the recipe of ``options`` (default: the builtin default recipe; see
+    :meth:`~graphopt.engine.options.OptimizeOptions.resolve_recipe`) on ``model``; ``on_step(name, i, n)``
+    is called before each pass.
 
     Returns the last good model and the report; never raises for a pass that fails verification
     (the report says; ``Result.ok`` is False when a lossy pass failed, or any pass under ``strict``).
@@ -101,8 +91,9 @@ def optimize(
     was) fails the run too, unless ``keep_going`` (then the last good model is kept and the report
     says so).
     """
+    o = options if options is not None else OptimizeOptions()
     t_start = time.perf_counter()
-    check_level(verify_level)
+    verify_level, provider = check_level(o.verify_level), o.provider
     if provider not in PROVIDERS:
         raise UsageError(f"unknown provider {provider!r}", hint="use " + " or ".join(PROVIDERS))
     if provider == "cuda":
@@ -110,12 +101,8 @@ def optimize(
 
         ok, why = cuda_available()
         logger.warning("passes target CUDA; verification runs on CPU%s", "" if ok else f" (no CUDA here: {why})")
-    if not isinstance(budget, Budget):
-        budget = parse_budget(budget)
-    if recipe is None:
-        recipe = recipe_mod.from_pass_list(passes) if passes else recipe_mod.default(provider)
-    if overrides:
-        recipe.apply_overrides(overrides)
+    budget = o.resolve_budget()
+    recipe = o.resolve_recipe()
     instances = recipe.build()
 
     src = ""
@@ -126,53 +113,44 @@ def optimize(
     report = Report(input=src, recipe=recipe.name, verify=verify_level, provider=provider, budget=str(budget))
     report.nodes_before = count_nodes(model)
     report.ops_before = dict(op_histogram(model))
-
-    # feeds: calibration folder, given feeds, or generated from the signature (confirmed by running
-    # the input model); when no generated feed runs it, numerics go unverified and structure is checked
-    shapes, values = dict(input_shapes or {}), dict(input_values or {})
-    feeds_mod.check_overrides(model, shapes, values)
-    if calib is not None:
-        all_feeds = feeds_mod.load_dir(calib)
-        feeds_mod.check_against(model, all_feeds)
-    elif feeds is not None:
-        all_feeds = [dict(f) for f in feeds]
-    else:
-        all_feeds = None
     report.numerics = "verified" if verify_level == "numeric" else f"not checked (--verify {verify_level})"
+    chosen = dict(feeds=o.feeds, calib=o.calib, shapes=o.input_shapes, values=o.input_values)
 
+    # feeds (graphopt.data.feeds.select): calibration folder, given feeds, or generated from the signature
+    # (confirmed by running the input model); when no generated feed runs it, numerics go unverified and
+    # structure is checked
     reference = None
+    if verify_level != "numeric":
+        selection = feeds_mod.select(model, **chosen, generated=False)
     if verify_level != "off":
         with io.materialize(model) as proto:
             # one serialization for the checker and the reference session
             data = proto.SerializeToString() if not isinstance(proto, str) else None
             check_structure(proto, where=f"input model {src or ''}".strip(), serialized=data)
             if verify_level == "numeric":
+                given = o.feeds is not None or o.calib is not None
                 try:
-                    if all_feeds is not None:
-                        reference = run_model(data if data is not None else proto, all_feeds, provider="cpu")
-                    else:
-                        sess = make_session(data if data is not None else proto, provider="cpu", optimize=False)
-                        try:
-                            all_feeds, reference = feeds_mod.runnable(
-                                model, run=lambda fs: run_session(sess, fs), shapes=shapes, values=values)
-                        finally:
-                            # the reference outputs are kept (spilled past a memory budget), the session
-                            # is not: the candidates' sessions are built one after the other without it
-                            del sess
-                except feeds_mod.NoRunnableFeeds as e:
-                    logger.warning("numerics unverified: %s; verifying structure only", e.reason)
-                    report.numerics = f"unverified: {e.reason}"
-                    verify_level = report.verify = "structure"
-                    all_feeds = []
+                    sess = make_session(data if data is not None else proto, provider="cpu", optimize=False)
+                    try:
+                        selection = feeds_mod.select(model, **chosen, run=lambda fs: run_session(sess, fs),
+                                                     required=False)
+                    finally:
+                        # the reference outputs are kept (spilled past a memory budget), the session
+                        # is not: the candidates' sessions are built one after the other without it
+                        del sess
                 except RuntimeSetupError as e:
-                    given = " on the given feeds" if all_feeds is not None else ""
                     raise VerificationError(
                         f"cannot verify numerically: {e.message}",
-                        hint=f"the input model does not run in ONNX Runtime{given}; use --verify structure or off",
+                        hint="the input model does not run in ONNX Runtime"
+                             + (" on the given feeds" if given else "") + "; use --verify structure or off",
                     ) from None
+                reference = selection.outputs
+                if selection.reason:
+                    logger.warning("numerics unverified: %s; verifying structure only", selection.reason)
+                    report.numerics = f"unverified: {selection.reason}"
+                    verify_level = report.verify = "structure"
     memory.trim()  # the reference session is gone: give its memory back before the passes run
-    if all_feeds is None:
-        all_feeds = []
+    all_feeds = selection.feeds
     calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
     held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
     report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
@@ -191,7 +169,7 @@ def optimize(
             feeds=check_feeds,
             calib_feeds=calib_feeds,
             budget=step_budget,
-            explain=explain,
+            explain=o.explain,
         )
         work = good.clone()
         before_ids = _node_ids(work)
@@ -241,8 +219,8 @@ def optimize(
                 rec.status = "rolled-back"
                 rec.verification["reason"] = verdict.reason
                 rec.error = f"verification failed: {verdict.reason}"
-                if debug_dir is not None:
-                    _dump_pair(Path(debug_dir), i, p.name, good, candidate)
+                if o.debug_dir is not None:
+                    _dump_pair(Path(o.debug_dir), i, p.name, good, candidate)
         elif candidate is not None:
             rec.verification = {"level": "skipped (unchanged)"}
         if result is not None and not p.exact and result.budget_met is False and rec.status == "ok":
@@ -250,17 +228,17 @@ def optimize(
             rec.error = f"budget {step_budget} not met by any model {p.name!r} could make"
         if not p.exact:
             rec.verification["budget"] = str(step_budget)
-        elif debug_dir is not None:
-            _dump_pair(Path(debug_dir), i, p.name, good, None)
+        elif o.debug_dir is not None:
+            _dump_pair(Path(o.debug_dir), i, p.name, good, None)
         rec.nodes_after = count_nodes(good) if rec.status == "ok" else rec.nodes_before
         if rec.status == "ok":
             rec.op_delta = op_delta(ops_before, op_histogram(good))
         report.passes.append(rec)
         if rec.status != "ok":
-            blocking = strict or not (p.exact or keep_going)
-            if p.exact and not strict:
+            blocking = o.strict or not (p.exact or o.keep_going)
+            if p.exact and not o.strict:
                 rec.notes.append(f"rolled back: the recipe went on without {p.name!r} (--strict fails the run instead)")
-            elif keep_going and not strict:
+            elif o.keep_going and not o.strict:
                 rec.notes.append(f"--keep-going: the model is kept as it was before {p.name!r}")
             logger.warning("pass %s %s: %s", p.name, rec.status, rec.error)
             if blocking:
@@ -277,6 +255,33 @@ def optimize(
         report.final = compare(prev_out, reference, all_feeds).summary()
     report.seconds = time.perf_counter() - t_start
     return Result(good, report)
+
+
+def optimize_file(
+    model: str | os.PathLike,
+    output: str | os.PathLike,
+    options: OptimizeOptions | None = None,
+    *,
+    external_data: bool | None = None,
+    in_place: bool = False,
+    on_step: Callable[[str, int, int], None] | None = None,
+) -> Result:
+    """``graphopt optimize MODEL -o OUTPUT``: :func:`optimize` the file ``model`` and, when the run is ok,
+    save the result to ``output`` (``graphopt.io.save``; ``external_data`` forces initializers into or out
+    of a .data file, ``in_place`` allows ``output`` to replace ``model``).
+
+    Before anything is loaded, the output path is checked and the run's memory is planned against
+    ``options.max_memory`` (``graphopt.memory.plan``: stream the weights, or stop with UsageError).
+    """
+    o = options if options is not None else OptimizeOptions()
+    io.check_output_path(model, output, in_place=in_place)
+    if Path(model).is_file():
+        memory.plan(model, o.verify_level, o.memory_limit())
+    result = optimize(model, o, on_step=on_step)
+    if result.ok:
+        io.save(result.model, output, external_data=external_data, src=model, in_place=in_place)
+        result.report.output = str(output)
+    return result
 
 
 def _dump_pair(folder: Path, index: int, name: str, before: ir.Model, after: ir.Model | None) -> None:

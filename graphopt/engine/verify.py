@@ -23,11 +23,11 @@ import onnx
 import onnx_ir as ir
 
 from graphopt import io
+from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import Budget, Comparer, Comparison, compare, parse_budget
 from graphopt.data.outputs import OutputStore
 from graphopt.errors import RuntimeSetupError, UsageError, VerificationError, first_line
 from graphopt.runtime import session as runtime
-from graphopt.runtime import standins
 
 LEVELS = ("off", "structure", "numeric")
 
@@ -97,17 +97,6 @@ class Verdict:
         return self.comparison.summary() if self.comparison is not None else {}
 
 
-def runnable(model: ir.Model, provider: str = "cpu") -> tuple[ir.Model, list[str]]:
-    """``model`` as a session on ``provider`` can run it, and the CUDA-only op types replaced.
-
-    On CPU (or where CUDA is missing), ops with no CPU kernel are replaced by their standard-op
-    stand-ins in a copy (``graphopt.runtime.standins.cpu_runnable``); otherwise ``model`` itself.
-    """
-    if provider == "cuda" and runtime.cuda_available()[0]:
-        return model, []
-    return standins.cpu_runnable(model)
-
-
 def run_model(
     model: ir.Model | onnx.ModelProto | str | Path | bytes,
     feeds: Sequence[Mapping[str, np.ndarray]],
@@ -128,7 +117,7 @@ def run_model(
 def _session(model, provider: str, optimize: bool = False):
     if isinstance(model, ir.Model):
         try:
-            model, _ = runnable(model, provider)
+            model, _ = runtime.runnable(model, provider)
         except ValueError as e:
             raise RuntimeSetupError(f"cannot run the model on CPU: {e}") from None
     return runtime.make_session(model, provider=provider, optimize=optimize)
@@ -183,7 +172,7 @@ def verify(
     if level == "off":
         return Verdict(level, True)
     try:
-        run_as, stand_ins = runnable(model, provider)
+        run_as, stand_ins = runtime.runnable(model, provider)
         if stand_ins:  # the model itself gets the structure checks, the copy with stand-ins the rest
             check_structure(model, where)
     except VerificationError as e:
@@ -261,8 +250,6 @@ class ModelComparison:
         return not self.failures
 
     def as_dict(self) -> dict:
-        from graphopt.data import feeds as feeds_mod
-
         return {"ok": self.ok, "failures": self.failures, "budget": str(self.budget),
                 "feeds": feeds_mod.describe(self.feeds), **self.comparison.as_dict()}
 
@@ -283,25 +270,18 @@ def compare_models(
     """Run ``reference`` and ``candidate`` (models or paths) on the same feeds and compare their
     outputs mask-aware (``graphopt verify A B``).
 
-    Feeds: ``feeds``, else the ``calib`` folder (checked against the reference's inputs), else
-    generated to make the reference run (``shapes`` / ``values`` fix inputs; see
-    ``graphopt.data.feeds.runnable``). With a non-empty ``budget`` the budget decides;
+    Feeds (``graphopt.data.feeds.select``): ``calib`` folder's (checked against the reference's inputs),
+    else ``feeds``, else generated to make the reference run (``shapes`` / ``values`` fix inputs). With a non-empty ``budget`` the budget decides;
     otherwise every element must be within ``atol + rtol*|ref|``. Outputs of the reference that the
     candidate lacks are failures. Raises GraphoptError for unreadable models, bad feeds or budgets.
     """
-    from graphopt.data import feeds as feeds_mod
-
     if not isinstance(budget, Budget):
         budget = parse_budget(budget)
     a = reference if isinstance(reference, ir.Model) else io.load(reference)
     b = candidate if isinstance(candidate, ir.Model) else io.load(candidate)
-    out_a = None
-    if feeds is not None:
-        feeds = [dict(f) for f in feeds]
-    elif calib is not None:
-        feeds = feeds_mod.for_model(a, calib)
-    else:  # generated feeds that make A run (A's outputs on them come along, on CPU)
-        feeds, out_a = feeds_mod.runnable(a, shapes=shapes, values=values)
+    # generated feeds make A run (A's outputs on them come along, on CPU)
+    selection = feeds_mod.select(a, feeds=feeds, calib=calib, shapes=shapes, values=values)
+    feeds, out_a = selection.feeds, selection.outputs
     if out_a is None or provider != "cpu":
         out_a = run_model(a, feeds, provider=provider)
     out_b = run_model(b, feeds, provider=provider)

@@ -193,3 +193,27 @@ def run(sess, feeds: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[str] 
         vals = sess.run(names, f)
         results.append(dict(zip(names, vals)))
     return results
+
+
+def runnable(model, provider: str = "cpu"):
+    """``model`` (an ``onnx_ir`` model) as a session on ``provider`` can run it, and the CUDA-only op types replaced.
+
+    On CPU (or where CUDA is missing), ops with no CPU kernel are replaced by their standard-op
+    stand-ins in a copy (``graphopt.runtime.standins.cpu_runnable``); otherwise ``model`` itself.
+    """
+    from graphopt.runtime import standins
+
+    if provider == "cuda" and cuda_available()[0]:
+        return model, []
+    return standins.cpu_runnable(model)
+
+
+def runner(model):
+    """A function running ``model`` (an ``onnx_ir`` model) on a list of feeds in one ORT CPU session made now
+    (optimizations off, CUDA-only ops through their stand-ins); RuntimeSetupError when it cannot be made."""
+    try:
+        run_as, _ = runnable(model)
+    except ValueError as e:
+        raise RuntimeSetupError(f"cannot run the model on CPU: {e}") from None
+    sess = make_session(run_as, provider="cpu", optimize=False)
+    return lambda feeds: run(sess, feeds)

@@ -114,6 +114,7 @@ def search(
     GraphoptError for bad usage or input. Ctrl-C during the trials ends them and returns the best so far.
     """
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.verify import run_model
 
     t_start = time.perf_counter()
@@ -154,8 +155,8 @@ def search(
     base_trial = Trial("lossless", "default", [], status="reference", speedup=1.0)
     for name, rec in wanted.items():
         t0 = time.perf_counter()
-        res = pipeline.optimize(original.clone(), dataclasses.replace(rec, steps=list(rec.steps)),
-                                feeds=all_feeds, provider=provider)
+        res = pipeline.optimize(original.clone(), OptimizeOptions(
+            recipe=dataclasses.replace(rec, steps=list(rec.steps)), feeds=all_feeds, provider=provider))
         if not res.ok:
             failed = res.report.failed()[-1]
             raise VerificationError(f"the lossless recipe failed on {src}: pass {failed.name!r}: {failed.error}")

@@ -107,6 +107,7 @@ def _build(shared: _Shared, cand: Candidate, trial: Trial) -> ir.Model | None:
     """The candidate's model: each step through the pipeline (cached by its base and settings); None when a
     step declined (the trial says why)."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     cache = _cache_dir(shared)
     model = None
@@ -124,8 +125,9 @@ def _build(shared: _Shared, cand: Candidate, trial: Trial) -> ir.Model | None:
             continue
         if model is None:
             model = _from_bytes(shared.bases[cand.base])
-        res = pipeline.optimize(model, recipe_mod.Recipe("search-step", [step]), feeds=shared.feeds,
-                                budget=shared.budget, provider=shared.provider, verify_level="structure")
+        res = pipeline.optimize(model, OptimizeOptions(recipe=recipe_mod.Recipe("search-step", [step]),
+                                                       feeds=shared.feeds, budget=shared.budget,
+                                                       provider=shared.provider, verify_level="structure"))
         rec = res.report.passes[-1]
         notes = [f"{rec.name}: {n}" for n in rec.notes]
         trial.notes += notes

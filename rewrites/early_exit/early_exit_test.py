@@ -320,12 +320,13 @@ def test_classifier_through_the_pipeline():
 
         load_models_module("minilm_classifier").build()
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     feeds = _sentence_feeds(10)
-    res = pipeline.optimize(CLASSIFIER, passes="cleanup,fuse,early-exit", feeds=feeds,
-                            # plumbing, not the margin: 40 tune rows cannot show 99% at any useful confidence
-                            overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer",
-                                       "early-exit.confidence=0"])
+    res = pipeline.optimize(CLASSIFIER, OptimizeOptions(
+        passes="cleanup,fuse,early-exit", feeds=feeds,
+        # plumbing, not the margin: 40 tune rows cannot show 99% at any useful confidence
+        overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer", "early-exit.confidence=0"]))
     assert res.ok
     rec = [r for r in res.report.passes if r.name == "early-exit"][0]
     assert rec.status == "ok" and rec.modified, rec.notes

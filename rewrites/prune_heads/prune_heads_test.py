@@ -13,6 +13,7 @@ from testmodels import embed_layernorm_prologue
 
 from graphopt.data.metrics import compare, parse_budget
 from graphopt.engine import pipeline, recipe, registry
+from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.registry import PassContext
 from graphopt.errors import UsageError
 from graphopt.runtime import standins
@@ -157,7 +158,8 @@ def test_compensation_beats_none_and_ranking_beats_random():
 def test_budget_search_confirms_on_held_back(tmp_path: Path):
     src = tmp_path / "enc.onnx"
     ir.save(_encoder("mha"), src)
-    res = pipeline.optimize(src, passes="prune-heads", budget="cosine>=0.995", feeds=CALIB + HELD)
+    res = pipeline.optimize(src, OptimizeOptions(passes="prune-heads", budget="cosine>=0.995",
+                                                 feeds=CALIB + HELD))
     rec = res.report.passes[-1]
     assert rec.status == "ok" and rec.modified, (rec.status, rec.error, rec.notes)
     assert rec.rule_counts["prune-heads-removed"] >= 1
@@ -211,9 +213,9 @@ def test_minilm_fused_and_padding_removed():
     src = MODELS / "minilm-torchscript-eager.onnx"
     if not src.exists():
         pytest.fail(f"{src} missing: run models/minilm.py")
-    res = pipeline.optimize(src, passes="cleanup,fuse,remove-padding,prune-heads",
-                            overrides=["prune-heads.ratio=0.25", "prune-heads.importance=local"],
-                            budget="cosine>=0.95")
+    res = pipeline.optimize(src, OptimizeOptions(
+        passes="cleanup,fuse,remove-padding,prune-heads",
+        overrides=["prune-heads.ratio=0.25", "prune-heads.importance=local"], budget="cosine>=0.95"))
     rec = res.report.passes[-1]
     assert rec.status == "ok" and rec.rule_counts["prune-heads-removed"] == 18, (rec.status, rec.error, rec.notes)
     assert any("+7 copies" in n for n in rec.notes), rec.notes

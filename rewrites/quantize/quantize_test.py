@@ -245,11 +245,13 @@ def test_bad_options():
 
 def test_pipeline_end_to_end(tmp_path, encoder):
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path = tmp_path / "enc.onnx"
     onnx.save(encoder, path)
-    result = pipeline.optimize(str(path), passes="quantize", overrides=["quantize.mode=dynamic"],
-                               feeds=_feeds(), budget="cosine>=0.99")
+    result = pipeline.optimize(str(path), OptimizeOptions(passes="quantize",
+                                                          overrides=["quantize.mode=dynamic"], feeds=_feeds(),
+                                                          budget="cosine>=0.99"))
     assert result.ok, result.report
     rec = result.report.passes[0]
     assert rec.modified and rec.exact is False
@@ -273,13 +275,14 @@ def test_after_fuse_on_tiny_bert(tmp_path):
     pytest.importorskip("torch", reason="torch is needed to export the tiny models")
     from conftest import load_models_module
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
     feeds = tiny_bert_feeds(path)
     for mode, want in (("static", "MatMulIntegerToFloat"), ("dynamic", "DynamicQuantizeMatMul"), ("int4", "MatMulNBits")):
-        result = pipeline.optimize(str(path), passes="cleanup,fuse,quantize", feeds=feeds,
-                                   overrides=[f"quantize.mode={mode}", "quantize.mixed=false"],
-                                   budget="cosine>=0.99")
+        result = pipeline.optimize(str(path), OptimizeOptions(
+            passes="cleanup,fuse,quantize", feeds=feeds,
+            overrides=[f"quantize.mode={mode}", "quantize.mixed=false"], budget="cosine>=0.99"))
         assert result.ok, result.report.passes[-1].error
         ops = _ops(result.model)
         assert ops["QAttention"] == 2 and ops["Attention"] == 0, ops
@@ -318,13 +321,14 @@ def test_int8_recipe_quantizes_the_packed_model(tmp_path):
     pytest.importorskip("torch", reason="torch is needed to export the tiny models")
     from conftest import load_models_module
     from graphopt.engine import pipeline, recipe
+    from graphopt.engine.options import OptimizeOptions
 
     assert "int8" in recipe.builtin_names()
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
     feeds = tiny_bert_feeds(path)
-    result = pipeline.optimize(str(path), recipe.load("int8"), feeds=feeds,
-                               overrides=["quantize.mode=static", "quantize.mixed=false"],
-                               budget="cosine>=0.99")
+    result = pipeline.optimize(str(path), OptimizeOptions(
+        recipe=recipe.load("int8"), feeds=feeds, overrides=["quantize.mode=static", "quantize.mixed=false"],
+        budget="cosine>=0.99"))
     assert result.ok, [p.error for p in result.report.passes]
     assert [p.name for p in result.report.passes] == ["cleanup", "fuse", "remove-padding", "quantize"]
     ops = _ops(result.model)
@@ -351,9 +355,11 @@ def test_generated_feeds_of_a_packed_model_use_the_vocabulary():
     from conftest import load_models_module
     from graphopt.data import feeds as feeds_mod
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    packed = pipeline.optimize(str(path), passes="cleanup,fuse,remove-padding", verify_level="structure").model
+    packed = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse,remove-padding",
+                                                          verify_level="structure")).model
     ids = feeds_mod.generate(packed)[0]["input_ids"]
     assert ids.max() > 100 and ids.max() < 1000
 
@@ -365,9 +371,11 @@ def test_int8_recipe_for_cuda_calibrates_through_stand_ins():
     pytest.importorskip("torch", reason="torch is needed to export the tiny models")
     from conftest import load_models_module
     from graphopt.engine import pipeline, recipe
+    from graphopt.engine.options import OptimizeOptions
 
     path = load_models_module("tiny").build("bert", "feature-extraction", exporter="dynamo")
-    result = pipeline.optimize(str(path), recipe.load("int8", provider="cuda"), provider="cuda", budget="cosine>=0.99")
+    result = pipeline.optimize(str(path), OptimizeOptions(recipe=recipe.load("int8", provider="cuda"),
+                                                          provider="cuda", budget="cosine>=0.99"))
     assert result.ok, [p.error for p in result.report.passes]
     ops = _ops(result.model)
     assert ops["PackedMultiHeadAttention"] == 2 and ops["DequantizeLinear"] >= 12, ops

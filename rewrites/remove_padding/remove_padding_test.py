@@ -479,9 +479,11 @@ def test_cpu_provider_never_emits_packed_attention():
 def test_cuda_pipeline_verifies_through_standin():
     """--provider cuda through the pipeline: verified on CPU with the stand-in, and the report says so."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     feeds = [FEEDS[k] for k in ("right", "left", "holes", "batch1")]
-    res = pipeline.optimize(_fused_encoder("raw"), passes="remove-padding", provider="cuda", feeds=feeds)
+    res = pipeline.optimize(_fused_encoder("raw"), OptimizeOptions(passes="remove-padding", provider="cuda",
+                                                                   feeds=feeds))
     assert res.ok, [r.error for r in res.report.failed()]
     rec = res.report.passes[0]
     assert rec.modified and rec.verification["cpu_stand_ins"] == ["PackedMultiHeadAttention"]
@@ -704,9 +706,10 @@ def test_minilm_fused_onnx_attention(minilm):
 def test_packed_output_verified_by_pipeline(minilm):
     """With packed_output the pipeline compares the [tokens, hidden] output with the real tokens."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
-    res = pipeline.optimize(minilm("dynamo", "sdpa"), passes="remove-padding",
-                            overrides=["remove-padding.packed_output=true"])
+    res = pipeline.optimize(minilm("dynamo", "sdpa"), OptimizeOptions(
+        passes="remove-padding", overrides=["remove-padding.packed_output=true"]))
     assert res.ok, [p.error for p in res.report.failed()]
     out = res.model.graph.outputs[0]
     assert out.shape is not None and len(out.shape) == 2

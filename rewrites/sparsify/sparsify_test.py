@@ -44,11 +44,12 @@ def _call(path, feeds, budget=None, **opts):
 
 def test_finds_ffns_unfused_and_fused(tiny):
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path, feeds = tiny
     ffns = _ffn.find(ir.load(path))
     assert [f.act.op_type for f in ffns] == ["Gelu", "Gelu"] and all(f.add1 is not None for f in ffns)
-    fused = pipeline.optimize(str(path), passes="cleanup,fuse", feeds=feeds).model
+    fused = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse", feeds=feeds)).model
     ffns = _ffn.find(fused)
     assert [f.act.op_type for f in ffns] == ["BiasGelu", "BiasGelu"] and all(f.add1 is None for f in ffns)
     assert all(f.w1.shape == (64, 128) and f.w2.shape == (128, 64) and f.b1.shape == (128,) for f in ffns)
@@ -220,11 +221,13 @@ def test_refusals(tiny, mlp_path):
 def test_through_the_pipeline_after_remove_padding(tiny):
     """Packed tokens ([N, H]): the FFNs are found after remove-padding and rewritten; stock ORT runs it."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path, feeds = tiny
-    result = pipeline.optimize(str(path), passes="cleanup,fuse,remove-padding,sparsify", feeds=feeds,
-                               overrides=["sparsify.pattern=blocks", "sparsify.sparsity=0.5",
-                                          "sparsify.block_size=16"], budget="cosine>=0.9")
+    result = pipeline.optimize(str(path), OptimizeOptions(
+        passes="cleanup,fuse,remove-padding,sparsify", feeds=feeds,
+        overrides=["sparsify.pattern=blocks", "sparsify.sparsity=0.5", "sparsify.block_size=16"],
+        budget="cosine>=0.9"))
     rec = result.report.passes[-1]
     assert result.ok and rec.modified, rec.error
     assert result.report.passes[-2].name == "remove-padding" and result.report.passes[-2].modified
@@ -240,11 +243,13 @@ def test_through_the_pipeline_after_remove_padding(tiny):
 def test_minilm_budget_holds_on_held_back_data(minilm):
     """MiniLM (fused): under cosine>=0.99 the chosen model (or the declined input) meets it on held-back feeds."""
     from graphopt.engine import pipeline
+    from graphopt.engine.options import OptimizeOptions
 
     path = minilm("dynamo", "eager")
     feeds = tiny_bert_feeds(path, n=4, seed=1)
-    result = pipeline.optimize(str(path), passes="cleanup,fuse,sparsify", feeds=feeds, budget="cosine>=0.99",
-                               keep_going=True, overrides=["sparsify.pattern=neurons"])
+    result = pipeline.optimize(str(path), OptimizeOptions(passes="cleanup,fuse,sparsify", feeds=feeds,
+                                                          budget="cosine>=0.99", keep_going=True,
+                                                          overrides=["sparsify.pattern=neurons"]))
     rec = result.report.passes[-1]
     assert rec.status in ("ok", "budget-not-met"), rec.error
     if rec.modified and rec.status == "ok":
@@ -255,9 +260,11 @@ def test_minilm_budget_holds_on_held_back_data(minilm):
 def test_sparse_recipes_end_to_end(tiny, name, run_cli):
     """The builtin sparse recipes run on the tiny BERT under a budget; the result meets it and runs in stock ORT."""
     from graphopt.engine import pipeline, recipe
+    from graphopt.engine.options import OptimizeOptions
 
     path, feeds = tiny
-    result = pipeline.optimize(str(path), recipe.load(name), feeds=feeds, budget="cosine>=0.95", keep_going=True)
+    result = pipeline.optimize(str(path), OptimizeOptions(recipe=recipe.load(name), feeds=feeds,
+                                                          budget="cosine>=0.95", keep_going=True))
     recs = {r.name: r for r in result.report.passes}
     assert list(recs) == recipe.load(name).pass_names()
     assert recs["sparsify"].status == "ok" and recs["sparsify"].modified, recs["sparsify"].notes
