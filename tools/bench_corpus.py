@@ -69,6 +69,12 @@ def bench_entry(entry, *, rounds: int, threads: int, clock: str, round_ms: float
     return row
 
 
+def _max_abs(final: dict) -> str:
+    """The verification's worst absolute difference of the optimized model against the input."""
+    v = (final or {}).get("max_abs")
+    return "—" if v is None else f"{v:.1e}" if v else "0"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=40)
@@ -101,15 +107,15 @@ def main() -> None:
         harness.write_json(args.json, {"args": vars(args) | {"json": str(args.json)}, "rows": rows}, default=str)
     print()
     table = harness.Table(["model", "kind", "nodes", "original ms/run", "optimized ms/run", "speedup (median paired)",
-                           "p10-p90"])
+                           "p10-p90", "max_abs vs input"])
     table.header()
     for r in rows:
         if "error" in r:
-            table.row(r["model"], r["kind"], "—", "—", "—", f"error: {r['error']}", "")
+            table.row(r["model"], r["kind"], "—", "—", "—", f"error: {r['error']}", "", "")
         else:
             lo, hi = r["speedup_p10_p90"]
             table.row(r["model"], r["kind"], r["nodes"], f"{r['original_ms']:.3f}", f"{r['optimized_ms']:.3f}",
-                      f"{r['speedup']:.3f}", f"{lo:.2f}-{hi:.2f}")
+                      f"{r['speedup']:.3f}", f"{lo:.2f}-{hi:.2f}", _max_abs(r["final"]))
 
 
 if __name__ == "__main__":
