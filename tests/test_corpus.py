@@ -1,6 +1,8 @@
 """The default recipe on real ONNX models a user brings: files shipped inside PyPI packages (Silero VAD
-with If branches and a sample-rate input, PP-OCR detector/classifier/recognizer, Magika) and tabular
-``ai.onnx.ml`` models (ORT's own logreg_iris, scikit-learn pipelines converted with skl2onnx).
+with If branches and a sample-rate input, PP-OCR detector/classifier/recognizer, Magika, basic-pitch, a
+captcha CRNN, a YOLOv8 detector, Open-NSFW, MTCNN, int8 MiniLM embeddings, dynamic-int8 Arabic BiLSTMs,
+skl2onnx surrogates) and tabular ``ai.onnx.ml`` models (ORT's own logreg_iris, scikit-learn pipelines
+converted with skl2onnx).
 
 The corpus is ``models/corpus.py``; its packages are pinned in ``tools/corpus-requirements.txt`` and
 installed by ``tools/install_test_deps.sh`` (CI runs it). A missing package fails the test under CI and

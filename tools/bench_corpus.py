@@ -7,7 +7,8 @@ model's real-looking feeds), then load the original and the optimized model (CPU
 ``repeat`` makes a round last at least ``--round-ms`` (tiny tabular models take microseconds).
 
 Reported per model: median round time of each, and the median over rounds of the paired ratio
-original/optimized (> 1: the optimized model is faster). ``--clock cpu`` (the default, with one
+original/optimized (> 1: the optimized model is faster), and the final verification's max_abs
+against the input. ``--clock cpu`` (the default, with one
 thread) times the calling thread's CPU time, so waiting for a core other jobs hold is not counted.
 
     .venv/bin/python tools/bench_corpus.py [--rounds 40] [--threads 1] [--clock cpu] [--only NAME,..] [--json out.json]
