@@ -130,7 +130,8 @@ def optimize(
             if verify_level == "numeric":
                 given = o.feeds is not None or o.calib is not None
                 try:
-                    sess = make_session(data if data is not None else proto, provider="cpu", optimize=False)
+                    sess = make_session(data if data is not None else proto, provider="cpu", optimize=False,
+                                        prepack=data is not None)
                     try:
                         selection = feeds_mod.select(model, **chosen, run=lambda fs: run_session(sess, fs),
                                                      required=False)

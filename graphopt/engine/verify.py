@@ -15,6 +15,7 @@ kernels themselves are checked on a GPU.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -120,7 +121,13 @@ def _session(model, provider: str, optimize: bool = False):
             model, _ = runtime.runnable(model, provider)
         except ValueError as e:
             raise RuntimeSetupError(f"cannot run the model on CPU: {e}") from None
-    return runtime.make_session(model, provider=provider, optimize=optimize)
+    # a large model reaches ORT as a file whose weights ORT memory-maps: no packed copy of them beside
+    return runtime.make_session(model, provider=provider, optimize=optimize, prepack=not _streamed(model))
+
+
+def _streamed(model) -> bool:
+    """Whether ``model`` reaches ORT as a file path (a large model, see ``graphopt.io.materialize``)."""
+    return isinstance(model, (str, os.PathLike)) or (isinstance(model, ir.Model) and io.streams(model))
 
 
 def run_session(sess, feeds: Sequence[Mapping[str, np.ndarray]], comparer: Comparer | None = None,
@@ -194,7 +201,8 @@ def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, pro
         return Verdict(level, False, reason=e.message)
     if level == "structure":
         try:
-            runtime.make_session(data if data is not None else proto, provider=provider, optimize=False)
+            runtime.make_session(data if data is not None else proto, provider=provider, optimize=False,
+                                 prepack=data is not None)
         except RuntimeSetupError as e:
             return Verdict(level, False, reason=f"{where}: {e.message}")
         return Verdict(level, True)

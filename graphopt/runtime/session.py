@@ -70,7 +70,7 @@ EXECUTION_MODES = ("sequential", "parallel")
 
 def session_options(
     *, threads: int | None = None, optimize: bool = True, spinning: bool = True, level: str | None = None,
-    execution_mode: str | None = None, inter_op_threads: int | None = None,
+    execution_mode: str | None = None, inter_op_threads: int | None = None, prepack: bool = True,
 ):
     """ORT session options: ``threads`` intra-op threads (and one inter-op thread, unless
     ``inter_op_threads``), graph optimization ``level`` (or all / disable by ``optimize``),
@@ -96,6 +96,8 @@ def session_options(
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     }
     so.graph_optimization_level = levels[level or ("all" if optimize else "disable")]
+    if not prepack:  # no second, kernel-packed copy of the weights (verification of large models)
+        so.add_session_config_entry("session.disable_prepacking", "1")
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
@@ -113,8 +115,12 @@ def make_session(
     strict_provider: bool = False,
     execution_mode: str | None = None,
     inter_op_threads: int | None = None,
+    prepack: bool = True,
 ):
     """An ``onnxruntime.InferenceSession`` for a path, ModelProto, ``onnx_ir.Model`` or bytes.
+
+    ``prepack=False`` keeps ORT from making a kernel-packed copy of the weights: a session that only verifies
+    a large model, whose weights ORT then memory-maps from their file, costs little beyond them.
 
     ``provider='cuda'`` uses CUDA when available, else CPU (logged), or raises with
     ``strict_provider`` (also when the CUDA provider is there but does not initialise).
@@ -134,7 +140,7 @@ def make_session(
         else:
             logger.warning("CUDA requested but not available (%s); using CPU", why)
     so = session_options(threads=threads, optimize=optimize, spinning=spinning, level=level,
-                         execution_mode=execution_mode, inter_op_threads=inter_op_threads)
+                         execution_mode=execution_mode, inter_op_threads=inter_op_threads, prepack=prepack)
     stack = contextlib.ExitStack()
     try:
         if isinstance(model, (str, os.PathLike)):
