@@ -1,6 +1,7 @@
 """Tests of remove-padding on a hand-built one-layer encoder (no torch): exactness, fused attention, refusals.
 
-The CUDA variant is in ``cuda_variant_test.py``, the real models in ``minilm_test.py``.
+The CUDA variant is in ``cuda_variant_test.py``, flattened token rows and first-token pooling in
+``rows_and_pooling_test.py``, the real models in ``minilm_test.py`` and ``hf_models_test.py``.
 """
 
 from __future__ import annotations
@@ -149,11 +150,12 @@ def test_packed_output():
     ("no_mask", "no rank-2 attention mask"),
     ("pool", "mixes positions outside attention"),
     ("unmasked_softmax", "does not depend on the attention mask"),
-    ("cls", "selects or shifts positions"),
+    ("second", "selects or shifts positions"),
+    ("flat_mixing", "ReduceMean '' mixes positions outside attention"),
 ])
 def test_refusals(kind, reason):
     model = {"no_mask": lambda: encoder(mask=False), "pool": lambda: encoder(pool=True),
-             "cls": lambda: encoder(pool="cls"),
+             "second": lambda: encoder(pool="second"), "flat_mixing": lambda: encoder(flat="mixing"),
              "unmasked_softmax": lambda: encoder(mask_in_softmax=False)}[kind]()
     before = ir.serde.serialize_model(model).SerializeToString()
     result = apply(model)
