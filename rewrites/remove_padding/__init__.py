@@ -43,8 +43,24 @@ sequence index of each token, a ``[B,1,...]`` operand by its batch index, ``[H]`
 Which ops run packed is decided from dimension labels measured by running the model twice with
 different batch/sequence sizes (``probe.probe_labels``), so it works on TorchScript and dynamo
 exports, eager or sdpa attention, unfused or fused, without matching a pattern. An op is packed when it
-is token-wise (an allow-list, axis attributes checked), its outputs are ``[B,S,...]`` and an input is
-packed already or hidden-state data (values computed from the mask alone stay as they are).
+is token-wise (an allow-list, axis attributes checked, ``tokenwise.py``), its outputs are ``[B,S,...]``
+and an input is packed already or hidden-state data (values computed from the mask alone stay as they are).
+
+Flattened token rows (GPT-2's Conv1D, and other exports of ``nn.Linear`` as ``Gemm``) are token-wise
+too: a ``[B*S, ...]`` value whose rows are the (batch, position) pairs in row-major order (a Reshape
+of a ``[B,S,...]`` value) is packed as ``[N+1, ...]`` rows, so a Gemm or MatMul over them mixes nothing::
+
+    x [1,N+1,H] --Reshape--> [N+1,H] --Gemm(W, b)--> [N+1,3H] --Reshape--> [1,N+1,3H]
+
+First-token pooling (a sequence classifier's ``Gather(x, 0, axis=1)`` or ``Slice`` of ``[0:1]`` on the
+sequence axis) reads one row per sequence from the packed rows, at each sequence's start offset in the
+packing (``index.PackIndex.row_starts``); the pooler and classifier then run on ``[B, H]`` as before::
+
+    hidden [1,N+1,H] --Squeeze--> [N+1,H] --Gather(row_starts [B])--> pooled [B,H] --> Gemm/Tanh/Gemm --> logits
+
+That is position 0 of every row whose position 0 is a real token (right padding, what the pipeline's
+feeds and BERT tokenizers make), bit for bit. A row whose position 0 is padding (left padding) pools its
+first real token instead of the padding position the model read; the result's notes say so.
 
 Exactness: token-wise ops give the same real-token values on packed input (MLAS rows are computed
 independently, so the unfused exports match bit for bit). Values entering the attention core are
@@ -60,14 +76,15 @@ minimum, so each real query sees exactly the same keys with the same scores.
 Refuses (model unchanged, reason in the result's ``notes``) when: there is no rank-2 attention-mask input
 or its batch/sequence dimensions are static; the graph is packed already; the opset is below 15; the graph has subgraphs (If/Loop/Scan); the model cannot be probed; nothing is
 token-wise; a value leaving the packed region reaches an op that mixes positions outside attention
-(e.g. mean pooling, a ReduceSum over the sequence, CLS pooling or a token shift by Gather/Slice/Concat
-on data) or a graph output; or a Softmax there does not
+(e.g. mean pooling, a ReduceSum over the sequence or over flattened token rows, pooling of another
+position than the first or a token shift by Gather/Slice/Concat on data) or a graph output; or a Softmax there does not
 depend on the mask / is not over the key axis. A fused attention op without a mask input, with past
 state, causal, or with other mask layouts is not grouped (it then runs on the unpacked batch when the
 checks above pass).
 
-The package: ``probe.py`` (dimension labels), ``plan.py`` (which ops run packed and how: the checks
-above), ``index.py`` (the pack/unpack index values), ``emit.py`` (the rewrite), this file (the pass).
+The package: ``probe.py`` (dimension labels), ``tokenwise.py`` (which ops are token-wise, in which
+layout), ``plan.py`` (which ops run packed and how: the checks above), ``index.py`` (the pack/unpack
+index values), ``emit.py`` (the rewrite), this file (the pass).
 """
 
 from __future__ import annotations
@@ -153,6 +170,8 @@ class RemovePadding(GraphoptPass):
             if not value.uses() and name not in graph_io:  # e.g. a QKV weight now split in three
                 model.graph.initializers.pop(name)
         counts = {"packed_ops": token_wise}
+        if plan.pools:
+            counts["first_token_pooling"] = plan.pools
         if grouped:
             counts["grouped_attention"] = grouped
         if onnx_attention:

@@ -2,7 +2,9 @@
 
 Each planned step becomes its packed twin (a copy of the op on packed inputs, or for fused ops a
 packed formulation: EmbedLayerNormalization as Gathers + norm, attention as PackedMultiHeadAttention
-or MultiHeadAttention per length group). Readers of a packed value outside the plan get its unpacked
+or MultiHeadAttention per length group, a Reshape between ``[B, S, ...]`` and flattened ``[B*S, ...]``
+rows as a Reshape of the packed rows). A first-token pooling becomes a Gather of each sequence's
+first packed row, which takes over the pooled value. Readers of a packed value outside the plan get its unpacked
 form, a padded ``Shape``, or (an unfused-by-design Attention) a packed QKV projection with
 MultiHeadAttention on the unpacked Q/K/V. Graph outputs are unpacked with zeros at padded positions,
 or returned as real-token rows.
@@ -27,8 +29,9 @@ from graphopt.runtime.contrib import (
 )
 
 from .index import GroupIndex, PackedAttentionIndex, PackIndex, const_ints
-from .plan import AttentionStrategy, Mode, Plan, Step, splittable_attention
+from .plan import AttentionStrategy, Plan, Step, splittable_attention
 from .probe import Dim
+from .tokenwise import Mode
 
 #: additive bias of filler key slots in grouped attention (exp underflows to exactly 0)
 _FILL = float(np.finfo(np.float32).min)
@@ -50,12 +53,17 @@ def rewrite(model: ir.Model, plan: Plan, *, packed_output: bool, sum_norm: bool,
     twin: dict[int, ir.Value] = {}
     new_nodes: list[ir.Node] = []
     for step in plan.steps:
-        inputs = _packed_inputs(step, index, twin)
         node = step.node
+        if step.pool:
+            _emit_pool(tape, index, step, twin[id(node.inputs[0])], plan)
+            continue
+        inputs = _packed_inputs(step, index, twin)
         if node.domain == MS_DOMAIN and node.op_type == "EmbedLayerNormalization":
             outs = _emit_embed(tape, index, node, inputs, sum_norm=sum_norm)
         elif step.attention is not None:
             outs = [attention.emit(step, inputs)]
+        elif not node.domain and node.op_type == "Reshape":
+            outs = [_emit_reshape(tape, step, inputs[0], plan)]
         else:
             new = ir.Node(
                 node.domain,
@@ -102,6 +110,7 @@ def _reconnect_readers(tape: ir.tape.Tape, index: PackIndex, plan: Plan, twin: d
     removed: list[ir.Node] = []
     packed_set = {id(s.node) for s in plan.steps}
     for step in plan.steps:
+        flat = step.lead == 1
         for out in step.node.outputs:
             unpacked = None
             rank = plan.labels.rank(out)
@@ -111,13 +120,13 @@ def _reconnect_readers(tape: ir.tape.Tape, index: PackIndex, plan: Plan, twin: d
                 if id(out) not in twin:  # EmbedLayerNormalization's mask_index
                     user.replace_input_with(idx, _mask_index(tape, step.node))
                     continue
-                if idx == 0 and splittable_attention(user, plan.labels):
+                if idx == 0 and not flat and splittable_attention(user, plan.labels):
                     mha = _emit_split_attention(tape, index, user, twin[id(out)], plan)
                     user.outputs[0].replace_all_uses_with(mha)
                     removed.append(user)
                     continue
                 if user.op_type == "Shape" and not user.domain:
-                    shape = index.padded_shape(twin[id(out)])
+                    shape = index.padded_shape(twin[id(out)], flat=flat)
                     start, end = user.attributes.get_int("start"), user.attributes.get_int("end")
                     if start is not None or end is not None:
                         s = const_ints(tape, [start or 0])
@@ -127,25 +136,26 @@ def _reconnect_readers(tape: ir.tape.Tape, index: PackIndex, plan: Plan, twin: d
                     removed.append(user)
                     continue
                 if unpacked is None:
-                    unpacked = index.unpack(twin[id(out)], name=f"{out.name}_unpacked")
+                    unpacked = index.unpack(twin[id(out)], name=f"{out.name}_unpacked", flat=flat)
                 user.replace_input_with(idx, unpacked)
     return removed
 
 
 def _replace_graph_outputs(graph: ir.Graph, index: PackIndex, plan: Plan, twin: dict[int, ir.Value],
                            packed_output: bool) -> None:
+    leads = {id(o): s.lead for s in plan.steps for o in s.node.outputs}
     for i, out in enumerate(list(graph.outputs)):
         if id(out) not in twin:
             continue
         p = twin[id(out)]
-        rank = plan.labels.rank(out)
+        rank, lead = plan.labels.rank(out), leads[id(out)]
         name, out.name = out.name, f"{out.name}_padded"
         if packed_output:
-            final = index.real_rows(p)
-            rest = list(out.shape.dims[2:]) if out.shape is not None else [None] * (rank - 2)
+            final = index.real_rows(p, flat=lead == 1)
+            rest = list(out.shape.dims[lead:]) if out.shape is not None else [None] * (rank - lead)
             final.shape = ir.Shape(["total_tokens", *rest])
         else:
-            final = index.unpack_zeros(p, rank, out.dtype)
+            final = index.unpack_zeros(p, rank, out.dtype, flat=lead == 1)
             final.shape = out.shape
         final.type = out.type
         final.name = name
@@ -169,6 +179,40 @@ def _dedupe_names(graph: ir.Graph) -> None:
                     k += 1
                 out.name = f"{out.name}_{k}"
             seen.add(out.name)
+
+
+def _emit_reshape(tape: ir.tape.Tape, step: Step, packed: ir.Value, plan: Plan) -> ir.Value:
+    """A Reshape that merges, splits or keeps the token dims, on packed rows: ``[1, N+1, *rest] <-> [N+1, *rest]``."""
+    node = step.node
+    rest = [int(d) for d in plan.labels(node.outputs[0])[step.lead:]]
+    out = tape.op("Reshape", [packed, const_ints(tape, ([1, -1] if step.lead == 2 else [-1]) + rest)])
+    provenance.inherit(out.producer(), node)
+    return out
+
+
+def _emit_pool(tape: ir.tape.Tape, index: PackIndex, step: Step, packed: ir.Value, plan: Plan) -> None:
+    """First-token pooling read from the packed rows: row ``b`` is sequence ``b``'s first real token.
+
+    ``Gather(x, 0, axis=1)`` gives ``[B, *rest]``; a ``Slice`` of ``[0:1]`` (or a ``Gather`` of ``[0]``)
+    keeps the axis, ``[B, 1, *rest]``. The pooled value takes over the node's output (its readers and
+    a graph output alike, under the same name).
+    """
+    starts = index.row_starts  # shared by every pooling: made before this one's nodes
+    node, start = step.node, len(tape.nodes)
+    rows = tape.op("Squeeze", [packed, const_ints(tape, [0])])  # [N + 1, *rest]
+    pooled = tape.op("Gather", [rows, starts], {"axis": 0})  # [B, *rest]
+    if step.rank == plan.labels.rank(node.inputs[0]):
+        pooled = tape.op("Unsqueeze", [pooled, const_ints(tape, [1])])
+    _inherit_since(tape, start, node)
+    old = node.outputs[0]
+    pooled.type, pooled.shape = old.type, old.shape
+    name = old.name
+    if old.is_graph_output():
+        old.name = f"{name}_unpooled"
+        pooled.name = name
+    else:
+        pooled.name = f"{name}_pooled" if name else None
+    old.replace_all_uses_with(pooled, replace_graph_outputs=True)
 
 
 # ------------------------------------------------------------------ embeddings

@@ -39,6 +39,7 @@ class Lead(enum.Enum):
     POSITIONS = (1, Dim.S)  # [1, S, ...]: gathered by each token's sequence index
     ROWS = (Dim.B, 1)  # [B, 1, ...]: gathered by each token's batch index
     SEQUENCE = (Dim.S,)  # [S, ...], one rank below the op: gathered by sequence index
+    FLAT = (Dim.BS,)  # [B*S, ...] rows in row-major (batch, position) order: gathered by token, kept flat
 
 
 _CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -91,6 +92,9 @@ class PackIndex:
         self.pos_map = t.op("Reshape", [flat_map, self.mask_shape])  # [B, S]
         self.pos_map.name = "packing_position_map"
         self._packed: dict[tuple[int, Lead], ir.Value] = {}
+        self._rows_index: ir.Value | None = None
+        self._row_starts: ir.Value | None = None
+        self._flat_map: ir.Value | None = None
 
     def pack(self, value: ir.Value, lead: Lead) -> ir.Value:
         """``value`` with leading dims ``lead`` -> ``[1, N+1, *rest]`` (one per value and lead)."""
@@ -108,42 +112,73 @@ class PackIndex:
             out = t.op("Gather", [t.op("Squeeze", [value, const_ints(t, [1])]), self.idx_b], {"axis": 0})
         elif lead is Lead.SEQUENCE:  # rank r-1 operand aligned with [S, *rest]
             out = t.op("Gather", [value, self.idx_s], {"axis": 0})
+        elif lead is Lead.FLAT:  # [B*S, *rest] -> [N+1, *rest]
+            out = t.op("Gather", [value, self.rows_index], {"axis": 0})
         else:
             raise ValueError(f"cannot pack leading dims {lead}")
         out.name = f"{value.name}_packed" if value.name else None
         self._packed[key] = out
         return out
 
-    def unpack(self, packed: ir.Value, name: str | None = None) -> ir.Value:
-        """``[1, N+1, *rest]`` -> ``[B, S, *rest]``; padded positions get the scratch row (a real token's values)."""
+    @property
+    def rows_index(self) -> ir.Value:
+        """``[N+1]``: the flat position of each packed row (``idx_ext`` as a vector)."""
+        if self._rows_index is None:
+            self._rows_index = self.tape.op("Reshape", [self.idx_ext, const_ints(self.tape, [-1])])
+        return self._rows_index
+
+    @property
+    def row_starts(self) -> ir.Value:
+        """``[B]``: the packed row of each sequence's first real token (the real tokens of the rows before it)."""
+        if self._row_starts is None:
+            t = self.tape
+            mask2d = t.op("Reshape", [t.op("Cast", [self.is_real], {"to": ir.DataType.INT64}), self.mask_shape])
+            lengths = t.op("ReduceSum", [mask2d, const_ints(t, [1])], {"keepdims": 0})  # [B]
+            self._row_starts = t.op("CumSum", [lengths, const_scalar(t, 0)], {"exclusive": 1})
+            self._row_starts.name = "packing_row_starts"
+        return self._row_starts
+
+    def unpack(self, packed: ir.Value, name: str | None = None, *, flat: bool = False) -> ir.Value:
+        """``[1, N+1, *rest]`` -> ``[B, S, *rest]``; padded positions get the scratch row (a real token's values).
+
+        ``flat``: ``[N+1, *rest]`` -> ``[B*S, *rest]`` (the row-major flattened layout).
+        """
         t = self.tape
+        if flat:
+            if self._flat_map is None:
+                self._flat_map = t.op("Reshape", [self.pos_map, const_ints(t, [-1])])
+            out = t.op("Gather", [packed, self._flat_map], {"axis": 0})
+            if name:
+                out.name = name
+            return out
         rows = t.op("Squeeze", [packed, const_ints(t, [0])])  # [N + 1, *rest]
         out = t.op("Gather", [rows, self.pos_map], {"axis": 0})
         if name:
             out.name = name
         return out
 
-    def unpack_zeros(self, packed: ir.Value, rank: int, dtype: ir.DataType | None) -> ir.Value:
+    def unpack_zeros(self, packed: ir.Value, rank: int, dtype: ir.DataType | None, *, flat: bool = False) -> ir.Value:
         """Like :meth:`unpack`, with zeros at padded positions (for graph outputs)."""
         t = self.tape
-        keep = t.op("Reshape", [self.is_real, self.mask_shape])
-        if rank > 2:
-            keep = t.op("Unsqueeze", [keep, const_ints(t, list(range(2, rank)))])
+        keep = self.is_real if flat else t.op("Reshape", [self.is_real, self.mask_shape])
+        lead = 1 if flat else 2
+        if rank > lead:
+            keep = t.op("Unsqueeze", [keep, const_ints(t, list(range(lead, rank)))])
         np_dtype = dtype.numpy() if dtype is not None else np.dtype(np.float32)
         zero = t.op("Constant", [], {"value": ir.tensor(np.zeros((), dtype=np_dtype))})
-        return t.op("Where", [keep, self.unpack(packed), zero])
+        return t.op("Where", [keep, self.unpack(packed, flat=flat), zero])
 
-    def real_rows(self, packed: ir.Value) -> ir.Value:
-        """``[1, N+1, *rest]`` -> ``[N, *rest]`` (drops the scratch row)."""
+    def real_rows(self, packed: ir.Value, *, flat: bool = False) -> ir.Value:
+        """``[1, N+1, *rest]`` (``flat``: ``[N+1, *rest]``) -> ``[N, *rest]`` (drops the scratch row)."""
         t = self.tape
-        rows = t.op("Slice", [packed, const_ints(t, [0]), self.total, const_ints(t, [1])])
-        return t.op("Squeeze", [rows, const_ints(t, [0])])
+        rows = t.op("Slice", [packed, const_ints(t, [0]), self.total, const_ints(t, [0 if flat else 1])])
+        return rows if flat else t.op("Squeeze", [rows, const_ints(t, [0])])
 
-    def padded_shape(self, packed: ir.Value) -> ir.Value:
-        """The shape ``[B, S, *rest]`` of the unpacked form of ``packed``."""
+    def padded_shape(self, packed: ir.Value, *, flat: bool = False) -> ir.Value:
+        """The shape ``[B, S, *rest]`` (``flat``: ``[B*S, *rest]``) of the unpacked form of ``packed``."""
         t = self.tape
-        rest = t.op("Shape", [packed], {"start": 2})
-        return t.op("Concat", [self.mask_shape, rest], {"axis": 0})
+        rest = t.op("Shape", [packed], {"start": 1 if flat else 2})
+        return t.op("Concat", [t.op("Shape", [self.is_real]) if flat else self.mask_shape, rest], {"axis": 0})
 
 
 class GroupIndex:

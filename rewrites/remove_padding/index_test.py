@@ -19,19 +19,25 @@ def _input(name: str, dtype: ir.DataType, dims) -> ir.Value:
 
 
 def _index_model() -> ir.Model:
-    """Packs x [B,S,H], pos [1,S,H], row [B,1,H], seq [S,H] by the mask; unpacks x again."""
+    """Packs x [B,S,H], pos [1,S,H], row [B,1,H], seq [S,H], rows [B*S,H] by the mask; unpacks x and rows."""
     mask = _input("attention_mask", I64, ["B", "S"])
-    ins = {"x": ["B", "S", H], "pos": [1, "S", H], "row": ["B", 1, H], "seq": ["S", H]}
+    ins = {"x": ["B", "S", H], "pos": [1, "S", H], "row": ["B", 1, H], "seq": ["S", H], "rows": ["BS", H]}
     values = {n: _input(n, F32, d) for n, d in ins.items()}
     tape = ir.tape.Tape()
     index = PackIndex(tape, mask)
-    leads = {"x": Lead.TOKENS, "pos": Lead.POSITIONS, "row": Lead.ROWS, "seq": Lead.SEQUENCE}
+    leads = {"x": Lead.TOKENS, "pos": Lead.POSITIONS, "row": Lead.ROWS, "seq": Lead.SEQUENCE, "rows": Lead.FLAT}
     outs = {f"packed_{n}": index.pack(values[n], lead) for n, lead in leads.items()}
     assert index.pack(values["x"], Lead.TOKENS) is outs["packed_x"], "one pack per value and lead"
     outs["unpacked"] = index.unpack(outs["packed_x"])
     outs["zeros"] = index.unpack_zeros(outs["packed_x"], 3, F32)
     outs["real"] = index.real_rows(outs["packed_x"])
     outs["shape"] = index.padded_shape(outs["packed_x"])
+    # the flattened [B*S, H] layout: packed [N+1, H]
+    outs["unpacked_rows"] = index.unpack(outs["packed_rows"], flat=True)
+    outs["zeros_rows"] = index.unpack_zeros(outs["packed_rows"], 2, F32, flat=True)
+    outs["real_rows"] = index.real_rows(outs["packed_rows"], flat=True)
+    outs["shape_rows"] = index.padded_shape(outs["packed_rows"], flat=True)
+    outs["starts"] = index.row_starts
     for name, v in outs.items():
         v.name = name
     graph = ir.Graph([mask, *values.values()], list(outs.values()), nodes=tape.nodes, opset_imports={"": 17})
@@ -50,7 +56,8 @@ def test_pack_unpack(mask):
     feed = {"attention_mask": mask, "x": rng.standard_normal((b, s, H)).astype(np.float32),
             "pos": rng.standard_normal((1, s, H)).astype(np.float32),
             "row": rng.standard_normal((b, 1, H)).astype(np.float32),
-            "seq": rng.standard_normal((s, H)).astype(np.float32)}
+            "seq": rng.standard_normal((s, H)).astype(np.float32),
+            "rows": rng.standard_normal((b * s, H)).astype(np.float32)}
     out = run(make_session(_index_model(), optimize=False), [feed])[0]
     flat = np.flatnonzero(mask)
     rows = np.append(flat, flat[0] if flat.size else 0)  # the N real tokens, then the scratch row
@@ -66,6 +73,14 @@ def test_pack_unpack(mask):
     np.testing.assert_array_equal(out["zeros"], np.where(real[..., None], feed["x"], 0))
     np.testing.assert_array_equal(out["real"], feed["x"][real])
     np.testing.assert_array_equal(out["shape"], [b, s, H])
+    np.testing.assert_array_equal(out["packed_rows"], feed["rows"][rows])
+    flat_real = real.reshape(-1)
+    np.testing.assert_array_equal(out["unpacked_rows"][flat_real], feed["rows"][flat_real])
+    assert np.all(out["unpacked_rows"][~flat_real] == feed["rows"][rows[-1]])
+    np.testing.assert_array_equal(out["zeros_rows"], np.where(flat_real[:, None], feed["rows"], 0))
+    np.testing.assert_array_equal(out["real_rows"], feed["rows"][flat_real])
+    np.testing.assert_array_equal(out["shape_rows"], [b * s, H])
+    np.testing.assert_array_equal(out["starts"], np.concatenate([[0], np.cumsum(mask.sum(1))[:-1]]))
 
 
 def test_probe_labels():

@@ -18,17 +18,7 @@ from graphopt.runtime.contrib import attention_attributes, attention_inputs, emb
 
 from .index import Lead
 from .probe import TOKEN_DIMS, Dim, DimLabels
-
-#: standard ops whose output at a position depends only on the inputs at that position
-_ELEMENTWISE = frozenset(
-    "Add Sub Mul Div Pow Sqrt Erf Tanh Relu Sigmoid Gelu Cast Where Neg Reciprocal Exp Log Abs Identity "
-    "Clip Max Min Equal Less Greater LessOrEqual GreaterOrEqual Not And Or Xor IsNaN IsInf Softplus "
-    "Softsign HardSigmoid HardSwish LeakyRelu Elu Selu Mish Floor Ceil Round Sign Sin Cos Sum".split()
-)
-_MS_ELEMENTWISE = frozenset("BiasGelu FastGelu Gelu QuickGelu BiasAdd".split())
-_REDUCE = frozenset("ReduceMean ReduceSum ReduceMax ReduceMin ReduceSumSquare ReduceL2".split())
-_NORMS = frozenset(("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"))
-_MS_NORMS = frozenset(("SkipLayerNormalization", "SkipSimplifiedLayerNormalization"))
+from .tokenwise import Mode, first_token_pool, input_modes, norm_axis
 
 #: ops allowed between an unpacked value and the point where it is packed again (the attention core)
 _CORE_OPS = frozenset(
@@ -45,15 +35,6 @@ _SELECTING = frozenset("Slice Gather Concat Split Expand".split())
 
 class Refusal(Exception):
     """The pass cannot prove the rewrite exact; the message says why."""
-
-
-class Mode(enum.Enum):
-    """How an input of a token-wise op is treated."""
-
-    BCAST = "bcast"  # broadcast against the output rank: packed, packed on entry, or as is (no batch/seq dims)
-    OWN = "own"  # a token input of its own rank (e.g. Gather indices)
-    PARAM = "param"  # must have no batch/sequence dims
-    SKIP = "skip"  # left as it is (the masks of attention ops)
 
 
 class AttentionStrategy(enum.Enum):
@@ -73,6 +54,12 @@ class Step:
     #: per input: how an unpacked input is packed on entry (None: as it is, or its packed twin)
     entries: tuple[Lead | None, ...]
     attention: AttentionStrategy | None = None
+    #: the layout of its outputs: 2 for ``[B, S, ...]`` (packed ``[1, N+1, ...]``), 1 for row-major
+    #: ``[B*S, ...]`` (packed ``[N+1, ...]``)
+    lead: int = 2
+    #: first-token pooling (position 0 of each row): its output is ``[B, ...]`` (one row per sequence,
+    #: read from the packed rows at each sequence's start), not a packed value
+    pool: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +73,13 @@ class Plan:
     notes: tuple[str, ...]
 
     def count(self, strategy: AttentionStrategy | None) -> int:
-        """Number of steps with this attention strategy (None: the ops that are not fused attention)."""
-        return sum(1 for s in self.steps if s.attention is strategy)
+        """Number of steps with this attention strategy (None: the token-wise ops, not fused attention or pooling)."""
+        return sum(1 for s in self.steps if s.attention is strategy and not s.pool)
 
-
-def _norm_axis(axis: int, rank: int) -> int:
-    return axis + rank if axis < 0 else axis
+    @property
+    def pools(self) -> int:
+        """Number of first-token poolings read from the packed rows."""
+        return sum(1 for s in self.steps if s.pool)
 
 
 def _static_weights(labels: DimLabels, weights: ir.Value | None) -> bool:
@@ -141,6 +129,7 @@ def _forward_closure(roots, skip_shape: bool) -> set[int]:
 class _Spec:
     modes: tuple[Mode, ...]
     rank: int
+    lead: int = 2
 
 
 class _Planner:
@@ -157,11 +146,17 @@ class _Planner:
 
     # ------------------------------------------------------------ queries (write nothing)
 
-    def classify(self, v: ir.Value, rank: int) -> Lead | None:
-        """How a non-packed operand of a rank-``rank`` token-wise op is packed (None: it cannot be)."""
+    def classify(self, v: ir.Value, rank: int, lead: int = 2) -> Lead | None:
+        """How a non-packed operand of a rank-``rank`` token-wise op in layout ``lead`` is packed (None: it cannot be)."""
         labs = self.lab(v)
         if labs is None:
             return None
+        if lead == 1:  # a [B*S, ...] op: the operand broadcasts (no token dims) or has the same rows
+            if len(labs) > rank or any(d in TOKEN_DIMS for d in labs[1 if len(labs) == rank else 0:]):
+                return None
+            if len(labs) < rank or labs[0] == 1:
+                return Lead.FREE
+            return Lead.FLAT if labs[0] == Dim.BS and self.row_major_flat(v) else None
         k = len(labs)
         if k <= rank - 2:
             return Lead.FREE if not any(d in TOKEN_DIMS for d in labs) else None
@@ -171,24 +166,42 @@ class _Planner:
             return Lead.FREE if labs[0] == 1 else Lead.SEQUENCE if labs[0] == Dim.S else None
         if k != rank:
             return None
-        lead = (labs[0], labs[1])
-        if lead == (1, 1):
+        pair = (labs[0], labs[1])
+        if pair == (1, 1):
             return Lead.FREE
-        if lead in (Lead.TOKENS.value, Lead.POSITIONS.value, Lead.ROWS.value):
-            return Lead(lead)
+        if pair in (Lead.TOKENS.value, Lead.POSITIONS.value, Lead.ROWS.value):
+            return Lead(pair)
         return None
+
+    def row_major_flat(self, v: ir.Value) -> bool:
+        """``v`` is ``Reshape(x [B, S, *fixed], [B*S, *fixed'])``: its rows are the tokens in row-major order.
+
+        (A Reshape keeps the row-major element order and the element count, so row ``i`` of ``v`` holds
+        exactly the values of token ``i`` of ``x``.)
+        """
+        p = v.producer()
+        if p is None or node_domain(p) != "" or p.op_type != "Reshape":
+            return False
+        src, out = self.layout(p.inputs[0]), self.layout(v)
+        return src is not None and src[1] == 2 and out is not None and out[1] == 1
 
     def token_major(self, v: ir.Value | None) -> int | None:
         """The rank of a ``[B, S, fixed...]`` value, else None."""
+        layout = self.layout(v)
+        return layout[0] if layout is not None and layout[1] == 2 else None
+
+    def layout(self, v: ir.Value | None) -> tuple[int, int] | None:
+        """(rank, lead) of a ``[B, S, fixed...]`` (lead 2) or ``[B*S, fixed...]`` (lead 1) value, else None."""
         labs = self.lab(v)
-        if labs is None or len(labs) < 2 or labs[:2] != Lead.TOKENS.value:
+        if labs is None or not labs:
             return None
-        if any(d in TOKEN_DIMS for d in labs[2:]):
+        lead = 2 if labs[:2] == Lead.TOKENS.value else 1 if labs[0] == Dim.BS else 0
+        if not lead or any(d in TOKEN_DIMS for d in labs[lead:]):
             return None
-        return len(labs)
+        return len(labs), lead
 
     def spec(self, node: ir.Node) -> _Spec | None:
-        """Input modes and output rank when ``node`` is token-wise by op type and attributes, else None.
+        """Input modes, output rank and layout when ``node`` is token-wise by op type and attributes, else None.
 
         Fused attention is not decided here (see ``attention_spec``).
         """
@@ -197,57 +210,29 @@ class _Planner:
         outs = [o for o in node.outputs if o.name]
         if not outs:
             return None
-        ranks = [self.token_major(o) for o in outs]
-        if any(r is None for r in ranks) or len(set(ranks)) != 1:
+        layouts = {self.layout(o) for o in outs}
+        if len(layouts) != 1 or None in layouts:
             return None
-        r = ranks[0]
-        modes = self._modes(node, r)
-        return None if modes is None else _Spec(tuple(modes), r)
+        ((r, lead),) = layouts
+        if node_domain(node) == "" and node.op_type == "Reshape":
+            return self._spec_reshape(node, r, lead)
+        modes = input_modes(node, self.lab, r, lead)
+        return None if modes is None else _Spec(tuple(modes), r, lead)
 
-    def _modes(self, node: ir.Node, r: int) -> list[Mode] | None:
-        op, dom, n = node.op_type, node_domain(node), len(node.inputs)
-        a = node.attributes
-        bcast, param = Mode.BCAST, Mode.PARAM
-        if dom == MS_DOMAIN:
-            if op in _MS_ELEMENTWISE:
-                return [bcast] * n
-            if op in _MS_NORMS:
-                return [bcast, bcast] + [param] * (n - 2)
+    def _spec_reshape(self, node: ir.Node, r: int, lead: int) -> _Spec | None:
+        """A Reshape that only merges or splits the token dims (``[B, S, *rest] <-> [B*S, *rest]``, or keeps them)."""
+        src, out = self.layout(node.inputs[0]), self.lab(node.outputs[0])
+        if src is None or self.lab(node.inputs[0])[src[1]:] != out[lead:]:
             return None
-        if dom != "":
+        return _Spec((Mode.OWN, Mode.SKIP), r, lead)
+
+    def pool_spec(self, node: ir.Node, packed_values: dict[int, int]) -> _Spec | None:
+        """First-token pooling (``tokenwise.first_token_pool``) of a packed ``[B, S, ...]`` value, else None."""
+        x = node.inputs[0] if node.inputs else None
+        if x is None or packed_values.get(id(x)) != 2:
             return None
-        if op in _ELEMENTWISE:
-            return [bcast] * n
-        if op == "MatMul":
-            w, x = self.lab(node.inputs[1]), self.lab(node.inputs[0])
-            if w is None or x is None or len(w) > 2 or len(x) != r:
-                return None
-            return [bcast, param]
-        if op in _NORMS:
-            return [bcast] + [param] * (n - 1) if _norm_axis(a.get_int("axis", -1), r) >= 2 else None
-        if op in ("Softmax", "LogSoftmax"):
-            return [bcast] if _norm_axis(a.get_int("axis", -1), r) >= 2 else None
-        if op == "Gather":
-            idx = self.lab(node.inputs[1])
-            if a.get_int("axis", 0) != 0 or idx is None or len(idx) < 2:
-                return None
-            return [param, Mode.OWN]
-        if op == "Transpose":
-            perm = a.get_ints("perm")
-            return [bcast] if perm is not None and list(perm[:2]) == [0, 1] else None
-        if op == "Concat":
-            return [bcast] * n if _norm_axis(a.get_int("axis"), r) >= 2 else None
-        if op == "Split":
-            return [bcast] + [param] * (n - 1) if _norm_axis(a.get_int("axis", 0), r) >= 2 else None
-        if op in _REDUCE:
-            axes = a.get_ints("axes")
-            if axes is None and n > 1 and node.inputs[1] is not None:
-                c = node.inputs[1].const_value
-                axes = None if c is None else [int(x) for x in c.numpy().reshape(-1)]
-            if not axes or self.lab.rank(node.inputs[0]) != r or any(_norm_axis(int(x), r) < 2 for x in axes):
-                return None
-            return [bcast] + [param] * (n - 1)
-        return None
+        rank = first_token_pool(node, self.lab)
+        return None if rank is None else _Spec((Mode.OWN,) + (Mode.SKIP,) * (len(node.inputs) - 1), rank)
 
     def _spec_embed(self, node: ir.Node) -> _Spec | None:
         """EmbedLayerNormalization: ids/segments/position ids are token inputs; runs as Gathers+LayerNorm."""
@@ -348,7 +333,7 @@ class _Planner:
     def plan(self) -> Plan:
         steps: list[Step] = []
         notes: list[str] = []
-        packed_values: set[int] = set()
+        packed_values: dict[int, int] = {}  # packed value -> its layout (lead)
         fused = self.groups > 0 or self.packed_attention
         for node in self.graph:
             strategy, reason = None, None
@@ -362,22 +347,34 @@ class _Planner:
                         continue
             else:
                 spec = self.spec(node)
+                pool = None if spec is not None else self.pool_spec(node, packed_values)
+                if pool is not None:
+                    steps.append(Step(node, pool.modes, pool.rank, (None,) * len(node.inputs), pool=True))
+                    continue
             if spec is None:
                 continue
             entries = self._entries(node, spec, packed_values)
             if entries is None:
                 continue
-            steps.append(Step(node, spec.modes, spec.rank, entries, strategy))
-            packed_values.update(id(o) for o in node.outputs if self.token_major(o) is not None)
+            steps.append(Step(node, spec.modes, spec.rank, entries, strategy, lead=spec.lead))
+            for o in node.outputs:
+                layout = self.layout(o)
+                if layout is not None and layout[1] == spec.lead:
+                    packed_values[id(o)] = spec.lead
             if strategy is AttentionStrategy.GROUPED and reason is not None:
                 notes.append(f"{_label(node)} runs as MultiHeadAttention per length group, not "
                              f"PackedMultiHeadAttention: {reason}")
         if not steps:
             raise Refusal("no token-wise op on hidden states found")
         self._check_core(steps)
+        pools = [s.node for s in steps if s.pool]
+        if pools:
+            notes.append(f"{len(pools)} first-token pooling(s) ({_label(pools[0])}) read each sequence's first real "
+                         "token from the packed rows: position 0 of a right-padded row; a row whose position 0 is "
+                         "padding (left padding) pools its first real token instead")
         return Plan(self.mask, self.lab, self.groups, tuple(steps), tuple(notes))
 
-    def _entries(self, node: ir.Node, spec: _Spec, packed_values: set[int]) -> tuple[Lead | None, ...] | None:
+    def _entries(self, node: ir.Node, spec: _Spec, packed_values: dict[int, int]) -> tuple[Lead | None, ...] | None:
         """How each input enters when ``node`` runs packed; None when it does not (no packed or hidden input)."""
         entries: list[Lead | None] = []
         trigger = False
@@ -386,7 +383,8 @@ class _Planner:
             if x is None or mode is Mode.SKIP:
                 continue
             if id(x) in packed_values:
-                if mode is Mode.PARAM or (mode is Mode.BCAST and self.lab.rank(x) != spec.rank):
+                if mode is Mode.PARAM or (mode is Mode.BCAST and (self.lab.rank(x) != spec.rank
+                                                                   or packed_values[id(x)] != spec.lead)):
                     return None
                 trigger = True
                 continue
@@ -395,10 +393,14 @@ class _Planner:
                 if labs is None or any(d in TOKEN_DIMS for d in labs):
                     return None
                 continue
-            lead = self.classify(x, spec.rank if mode is Mode.BCAST else self.lab.rank(x))
+            if mode is Mode.BCAST:
+                lead = self.classify(x, spec.rank, spec.lead)
+            else:  # a token input in its own layout
+                labs = self.lab(x)
+                lead = self.classify(x, len(labs), 1 if labs and labs[0] == Dim.BS else 2) if labs else None
             if lead is None:
                 return None
-            if lead is Lead.TOKENS and id(x) in self.hidden:  # hidden-state data (not the mask alone)
+            if lead in (Lead.TOKENS, Lead.FLAT) and id(x) in self.hidden:  # hidden-state data (not the mask alone)
                 trigger = True
             entries[-1] = None if lead is Lead.FREE else lead
         return tuple(entries) if trigger else None
@@ -409,6 +411,8 @@ class _Planner:
         outputs = set(map(id, self.graph.outputs))
         frontier: list[ir.Node] = []
         for step in steps:
+            if step.pool:  # its output is [B, ...] rows read from the packed tokens, not a packed value
+                continue
             for o in step.node.outputs:
                 for user, _ in o.uses():
                     if id(user) in packed_set or (user.op_type == "Shape" and not user.domain):
@@ -445,7 +449,7 @@ class _Planner:
             if sm.inputs[0] is None or id(sm.inputs[0]) not in self.mask_derived:
                 raise Refusal(f"Softmax {sm.name!r} does not depend on the attention mask")
             rank = self.lab.rank(sm.inputs[0])
-            if _norm_axis(sm.attributes.get_int("axis", -1), rank) != rank - 1:
+            if norm_axis(sm.attributes.get_int("axis", -1), rank) != rank - 1:
                 raise Refusal(f"Softmax {sm.name!r} is not over the last (key) axis")
         for att in attention:
             a = attention_inputs(att)
