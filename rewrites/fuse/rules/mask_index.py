@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
 from graphopt.errors import first_line
 from graphopt.opsets import MS_DOMAIN
@@ -218,7 +219,13 @@ def _evaluate(model: ir.Model, pairs: list[tuple[ir.Value, ir.Value]]) -> dict[i
     added = [b for b, _ in pairs if b not in model.graph.outputs]
     model.graph.outputs.extend(added)
     try:
-        sess = make_session(model, optimize=False)
+        # only what the biases depend on (the mask arithmetic): a copy sharing the tensors, its other
+        # outputs and everything they need removed, so a large model is not loaded into ORT again
+        probe = model.clone()
+        keep = {b.name for b, _ in pairs}
+        probe.graph.outputs[:] = [v for v in probe.graph.outputs if v.name in keep]
+        common_passes.RemoveUnusedNodesPass()(probe)
+        sess = make_session(probe, optimize=False)
     except Exception as e:  # noqa: BLE001 - a model ORT cannot load is not ours to fix here
         return {id(b): f"cannot evaluate the bias: {e}" for b, _ in pairs}
     finally:
