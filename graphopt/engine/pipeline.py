@@ -185,7 +185,7 @@ def optimize(
         rec = PassRecord(name=p.name, options=p.options_in_use(), exact=p.exact)
         rec.nodes_before = count_nodes(good)
         ops_before = op_histogram(good)
-        step_budget = budget if (budget or p.exact) else parse_budget(p.default_budget)
+        step_budget = registry.resolve_budget(p, budget)
         ctx = registry.PassContext(
             provider=provider,
             feeds=check_feeds,

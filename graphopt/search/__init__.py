@@ -58,14 +58,12 @@ import onnx_ir as ir
 
 from graphopt import io
 from graphopt.data import feeds as feeds_mod
-from graphopt.data.metrics import METRICS, Budget, compare, parse_budget
+from graphopt.data.metrics import DEFAULT_BUDGET, METRICS, Budget, compare, parse_budget
 from graphopt.engine import recipe as recipe_mod
 from graphopt.errors import GraphoptError, UsageError, VerificationError
 
 logger = logging.getLogger(__name__)
 
-#: the budget a search uses when the user gives none (the quantize pass's default)
-DEFAULT_BUDGET = "cosine>=0.99,cosine_min>=0.97"
 #: lossy pass families the search knows
 FAMILIES = ("quantize", "prune-heads", "sparsify", "early-exit", "convert-precision")
 #: how many of the fastest candidates within budget are timed against each other at the end
