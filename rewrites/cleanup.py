@@ -73,7 +73,7 @@ class _SafeIdentityElimination(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified)
 
 
-class Cleanup(GraphoptPass):
+class CleanupPass(GraphoptPass):
     """Lossless cleanup: constant folding, shape simplification, DCE, identity removal, CSE, dedup."""
 
     name = "cleanup"
@@ -157,4 +157,4 @@ class Cleanup(GraphoptPass):
         return modified
 
 
-register(Cleanup)
+register(CleanupPass)

@@ -36,18 +36,17 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.data.feeds import calibration_feeds
-from graphopt.data.metrics import Budget, Comparison, compare, parse_budget
+from graphopt.data.metrics import DEFAULT_BUDGET, Comparison
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
 from graphopt.opsets import node_domain
 from graphopt.rewrites.common import ffn as _ffn
+from graphopt.rewrites.common import lossy
 from graphopt.runtime import session as runtime
 from graphopt.runtime import standins
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUDGET = "cosine>=0.99,cosine_min>=0.97"
 #: keep fractions the budget search walks, smallest first
 LEVELS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 
@@ -109,15 +108,8 @@ class _Run:
     opts: ContextualSparsityPass
     model: ir.Model
     ctx: PassContext
-    notes: list[str] = dataclasses.field(default_factory=list)
     table: list[str] = dataclasses.field(default_factory=list)
     cache: dict = dataclasses.field(default_factory=dict)
-    #: id of a held-back comparison (cosine: the lower bound) -> the plain mean cosine
-    plain: dict[int, float] = dataclasses.field(default_factory=dict)
-
-    def note(self, msg: str) -> None:
-        logger.info("contextual-sparsity: %s", msg)
-        self.notes.append(msg)
 
     # ------------------------------------------------------------ per layer, in numpy
 
@@ -213,30 +205,32 @@ class _Run:
                     graph.initializers.pop(n)
         return rows_out
 
-    def evaluate(self, keeps: Sequence[float], held_always: bool = False
-                 ) -> tuple[Comparison, Comparison | None, float]:
-        """(calib comparison, held comparison or None, mean union fraction of the FFN rows on held feeds)."""
+    def evaluate(self, keeps: Sequence[float], held_always: bool = False) -> lossy.Measured:
+        """Calib and held comparisons (held: None when calib fails) and, as ``extra``, the mean union fraction
+        of the FFN rows on held feeds (nan when not run)."""
         cand = self.model.clone()
         rows = self.build(cand, keeps)
         by_name = {o.name: o for n in cand.graph for o in n.outputs}
         for r in rows:
             cand.graph.outputs.append(by_name[r])
         sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
-        got = runtime.run(sess, self.calib)
-        cal = compare(got, self.ref_calib, self.calib)
-        if not held_always and self.budget.failures(cal):
-            return cal, None, float("nan")
-        got = runtime.run(sess, self.held)
+        s = self.s
         width = [f.width for f, k in zip(self.ffns, keeps) if k < 1.0]
-        frac = [g[r].size / w for g in got for r, w in zip(rows, width)]
-        held = compare(got, self.ref_held, self.held)
-        lowered = _ffn.bounded(held, got, self.ref_held, self.held, self.opts.confidence)
-        self.plain[id(lowered)] = held.worst("cosine")
-        return cal, lowered, float(np.mean(frac)) if frac else 1.0
+        union = [float("nan")]
+
+        def score(part: str) -> Comparison:
+            got = runtime.run(sess, s.feeds(part))
+            if part == lossy.HELD:
+                frac = [g[r].size / w for g in got for r, w in zip(rows, width)]
+                union[0] = float(np.mean(frac)) if frac else 1.0
+            return s.compare(part, got)
+
+        m = s.evaluate(score, held_always)
+        m.extra = union[0]
+        return m
 
     def cos(self, c: Comparison) -> str:
-        conf = self.opts.confidence if id(c) in self.plain else 0.0
-        return _ffn.cosine_text(self.plain.get(id(c)), c, conf)
+        return self.s.cosine_text(c)
 
     def row(self, keeps, cal: Comparison, held: Comparison | None, union: float, verdict: str) -> None:
         def m(c: Comparison | None) -> str:
@@ -251,80 +245,65 @@ class _Run:
     def go(self) -> PassResult:
         o, ctx, model = self.opts, self.ctx, self.model
         self.ffns = _ffn.find(model)
-        self.budget: Budget = ctx.budget if ctx.budget else parse_budget(DEFAULT_BUDGET)
+        self.s = s = lossy.BudgetSearch.of(o, ctx, confidence=o.confidence)
         if not self.ffns:
-            self.note(_ffn.NO_FFN_NOTE)
-            return PassResult(model, False, notes=self.notes)
-        self.calib, self.held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds)
-        if fed:
-            self.note(fed)
-        self.stats = _ffn.collect(model, self.ffns, self.calib)
+            s.note(_ffn.NO_FFN_NOTE)
+            return s.result(model, False)
+        s.rows(model, ctx)
+        self.stats = _ffn.collect(model, self.ffns, s.calib)
         if any(self.stats.get(f.x.name) is None or self.stats[f.x.name].xtx is None for f in self.ffns):
-            self.note("not applied: no calibration activations for the FFN inputs")
-            return PassResult(model, False, notes=self.notes)
+            s.note("not applied: no calibration activations for the FFN inputs")
+            return s.result(model, False)
         self.pred = [fit_predictor(f.w1, self.stats[f.x.name].xtx, o.rank, o.damp) for f in self.ffns]
         ref_sess = runtime.make_session(standins.cpu_runnable(model)[0], threads=1)
-        self.ref_calib, self.ref_held = runtime.run(ref_sess, self.calib), runtime.run(ref_sess, self.held)
+        s.reference(lambda feeds: runtime.run(ref_sess, feeds))
         cost = np.mean([(f.hidden + f.width) * min(o.rank, f.hidden) / (2.0 * f.hidden * f.width) for f in self.ffns])
-        self.note(f"{len(self.ffns)} FFN blocks; predictor rank {o.rank}: {cost:.1%} of a dense FFN's multiply-adds "
-                  f"per token; {len(self.calib)} calibration / {len(self.held)} held-back feeds")
+        s.note(f"{len(self.ffns)} FFN blocks; predictor rank {o.rank}: {cost:.1%} of a dense FFN's multiply-adds "
+               f"per token; {len(s.calib)} calibration / {len(s.held)} held-back feeds")
 
         if o.keep:
             keeps = [o.keep] * len(self.ffns)
-            cal, held, union = self.evaluate(keeps, held_always=True)
-            fails = self.budget.failures(held) if ctx.budget else []
-            self.row(keeps, cal, held, union, "breaks the budget" if fails else "as asked")
+            m = self.evaluate(keeps, held_always=True)
+            fails = s.fails(m.held) if s.given else []
+            self.row(keeps, m.calib, m.held, m.extra, "breaks the budget" if fails else "as asked")
             self._report(keeps)
             if fails:
-                self.note(f"budget {self.budget} not met ({'; '.join(fails)}): model unchanged")
-                return PassResult(model, False, notes=self.notes, budget_met=False)
+                s.note(f"budget {s.budget} not met ({'; '.join(fails)}): model unchanged")
+                return s.result(model, False, met=False, held=m.held)
             self.build(model, keeps)
-            return PassResult(model, True, notes=self.notes, rule_counts={"ffn": len(self.ffns)},
-                              budget_met=True if ctx.budget else None)
+            return s.result(model, True, met=True if s.given else None, held=m.held,
+                            rule_counts={"ffn": len(self.ffns)})
 
-        if not ctx.budget:
-            self.note(f"no budget given: using the default {DEFAULT_BUDGET}")
-        rungs = _ffn.ladder(len(self.ffns), [*LEVELS, 1.0], lambda i, k: self.local(i, k)[0])[:-1]
-        seen: dict[int, tuple] = {}
-
-        def ok(j: int) -> bool:
-            if j not in seen:
-                seen[j] = self.evaluate(rungs[j])
-                cal, held, union = seen[j]
-                verdict = ("fails on calib" if held is None else
-                           "fails on held-back feeds" if self.budget.failures(held) else "meets the budget")
-                self.row(rungs[j], cal, held, union, verdict)
-            held = seen[j][1]
-            return held is not None and not self.budget.failures(held)
-
-        j = _ffn.first_passing(len(rungs), ok)
+        s.note_default()
+        rungs = lossy.ladder(len(self.ffns), [*LEVELS, 1.0], lambda i, k: self.local(i, k)[0])[:-1]
+        j, seen = s.first_confirmed(len(rungs), lambda j: self.evaluate(rungs[j]),
+                                    lambda j, m: self.row(rungs[j], m.calib, m.held, m.extra, s.verdict(m)))
         if j is None:
             self._report(None)
-            self.note(f"declined: no keep fraction meets the budget {self.budget} on held-back feeds; model unchanged")
-            return PassResult(model, False, notes=self.notes, budget_met=False)
+            s.note(f"declined: no keep fraction meets the budget {s.budget} on held-back feeds; model unchanged")
+            return s.result(model, False, met=False)
         keeps = rungs[j]
         self._report(keeps)
-        held = seen[j][1]
-        if seen[j][2] > o.max_union:
-            self.note(f"declined: the budget holds at keep {' '.join(f'{k:.0%}' for k in keeps)}, but on the held-back "
-                      f"batches the union of their tokens' selections keeps {seen[j][2]:.0%} of the FFN rows "
-                      f"(> max_union {o.max_union:.0%}): no saving at these batch sizes; model unchanged")
-            return PassResult(model, False, notes=self.notes, budget_met=False)
+        held, union = seen[j].held, seen[j].extra
+        if union > o.max_union:
+            s.note(f"declined: the budget holds at keep {' '.join(f'{k:.0%}' for k in keeps)}, but on the held-back "
+                   f"batches the union of their tokens' selections keeps {union:.0%} of the FFN rows "
+                   f"(> max_union {o.max_union:.0%}): no saving at these batch sizes; model unchanged")
+            return s.result(model, False, met=False, held=held)
         self.build(model, keeps)
-        self.note(f"chose keep {' '.join('dense' if k >= 1 else f'{k:.0%}' for k in keeps)}; held-back cosine "
-                  f"{self.cos(held)}, cosine_min {held.worst('cosine_min'):.4f}; union of the batch's "
-                  f"selections kept {seen[j][2]:.0%} of the FFN rows")
-        return PassResult(model, True, notes=self.notes, rule_counts={"ffn": sum(k < 1 for k in keeps)},
-                          budget_met=True)
+        s.note(f"chose keep {' '.join('dense' if k >= 1 else f'{k:.0%}' for k in keeps)}; held-back cosine "
+               f"{self.cos(held)}, cosine_min {held.worst('cosine_min'):.4f}; union of the batch's "
+               f"selections kept {union:.0%} of the FFN rows")
+        return s.result(model, True, met=True, held=held, rule_counts={"ffn": sum(k < 1 for k in keeps)})
 
     def _report(self, keeps: Sequence[float] | None) -> None:
         levels = keeps or [LEVELS[len(LEVELS) // 2]] * len(self.ffns)
         rec = [f"{f.key}: k={k:.0%} recall {self.local(i, k)[1]:.3f}" for i, (f, k) in
                enumerate(zip(self.ffns, levels)) if k < 1.0]
         if rec:
-            self.note("predictor recall vs oracle top-k (calibration tokens): " + "; ".join(rec))
+            self.s.note("predictor recall vs oracle top-k (calibration tokens): " + "; ".join(rec))
         if self.table:
-            self.note("measured (keep per layer | calib | held | union kept | verdict):\n  " + "\n  ".join(self.table))
+            self.s.note("measured (keep per layer | calib | held | union kept | verdict):\n  " + "\n  ".join(self.table))
 
 
 register(ContextualSparsityPass)

@@ -272,7 +272,7 @@ class _Cut:
         return next(n for n in self.model.graph if n in users or n in self.moved and v in self.moved[n])
 
 
-class CutPositions(GraphoptPass):
+class CutPositionsPass(GraphoptPass):
     """Compute the last layer only for the positions the outputs read (first-token pooling, last-token logits)."""
 
     name = "cut-positions"
@@ -351,4 +351,4 @@ def _add_last_token_output(model: ir.Model, name: str) -> tuple[str, str]:
     return out.name, ""
 
 
-register(CutPositions)
+register(CutPositionsPass)

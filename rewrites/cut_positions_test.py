@@ -16,7 +16,7 @@ from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError
 from graphopt.opsets import op_histogram
-from rewrites.cut_positions import CutPositions
+from rewrites.cut_positions import CutPositionsPass
 
 MODELS = Path(os.path.expanduser("~/.cache/graphopt/models"))
 S, H = 6, 8
@@ -67,7 +67,7 @@ def _feeds(n=2):
 def _run_pass(proto, **opts):
     model = ir.serde.deserialize_model(proto)
     ShapeInferencePass()(model)
-    result = CutPositions(**opts)(model, registry.PassContext())
+    result = CutPositionsPass(**opts)(model, registry.PassContext())
     return result, model
 
 
@@ -112,9 +112,9 @@ def test_last_token_logits_without_a_sequence_output_is_refused():
 
 def test_bad_option():
     with pytest.raises(UsageError, match="last_token_logits"):
-        CutPositions(last_token_logits="yes")
+        CutPositionsPass(last_token_logits="yes")
     with pytest.raises(UsageError, match="output"):
-        CutPositions(output="logits")
+        CutPositionsPass(output="logits")
 
 
 @pytest.mark.parametrize("name", ["minilm-sentiment-dynamo-sdpa.onnx"])

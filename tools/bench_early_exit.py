@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.engine.options import OptimizeOptions
     from graphopt.engine.registry import PassContext
     from graphopt.exporters import text_feeds
-    from graphopt.rewrites.early_exit import EarlyExit
+    from graphopt.rewrites.early_exit import EarlyExitPass
     from graphopt.runtime import session as runtime
 
     path, tok, held_lines, calib, held = _data(args.workload, args.calib_pairs)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("batch", "row"):
             name = f"{mode[0]}{target}"
             m = ir.from_proto(proto)
-            r = EarlyExit(mode=mode, exit_output="exit_layer", confidence=args.confidence)(
+            r = EarlyExitPass(mode=mode, exit_output="exit_layer", confidence=args.confidence)(
                 m, PassContext(calib_feeds=calib, budget=metrics.parse_budget(f"top1>={target}")))
             notes[name] = r.notes
             logger.info("%s: %s", name, " | ".join(r.notes))
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 variants[name] = m
     for k in range(1, 6):
         m = ir.from_proto(proto)
-        r = EarlyExit(layers=str(k), threshold=0.0, exit_output="exit_layer")(m, PassContext(calib_feeds=calib))
+        r = EarlyExitPass(layers=str(k), threshold=0.0, exit_output="exit_layer")(m, PassContext(calib_feeds=calib))
         if r.modified:
             variants[f"at-L{k}"] = m
     sessions = bench.open_sessions(variants)

@@ -62,6 +62,7 @@ def _fused(model: str, passes: str = "cleanup,fuse,remove-padding"):
 def quality(args) -> dict:
     from graphopt.data import feeds as feeds_mod
     from graphopt.data.metrics import compare, parse_budget
+    from graphopt.rewrites.common.lossy import BudgetSearch
     from graphopt.rewrites.prune_heads import PruneHeadsPass, _Run
     from graphopt.rewrites.prune_heads.layers import find_layers
 
@@ -70,8 +71,8 @@ def quality(args) -> dict:
     layers = find_layers(model)
     total = sum(la.num_heads for la in layers)
     t0 = time.perf_counter()
-    run = _Run(PruneHeadsPass(rank_feeds=args.rank_feeds), model, layers, parse_budget("cosine>=0.98"),
-               calib, held, [])
+    run = _Run(PruneHeadsPass(rank_feeds=args.rank_feeds), model, layers,
+               BudgetSearch("prune-heads", parse_budget("cosine>=0.98"), calib=calib, held=held))
     run.prepare()
     t_prep = time.perf_counter() - t0
     orders = {}
@@ -95,10 +96,10 @@ def quality(args) -> dict:
         for name, order in orders.items():
             for comp in (False, True):
                 got = run.probe.run(held, run.masks(order[:k]), *(run.refit(order[:k]) if comp else (None, None)))
-                c = compare(got, run.ref_held, held)
+                c = compare(got, run.s.ref_held, held)
                 rows.append({"ratio": ratio, "heads": k, "ranking": name, "compensate": comp,
                              "cosine": round(c.worst("cosine"), 5), "cosine_min": round(c.worst("cosine_min"), 5),
-                             "pooled": round(_pooled_cosine(got, run.ref_held, held), 5)})
+                             "pooled": round(_pooled_cosine(got, run.s.ref_held, held), 5)})
                 print(json.dumps(rows[-1]), flush=True)
     return {"rows": rows, "prepare_s": round(t_prep, 1), "ablation_s": round(t_abl, 1), "total_heads": total}
 

@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from graphopt import io
     from graphopt.bench import print_table
-    from graphopt.data.metrics import parse_budget
+    from graphopt.data.metrics import DEFAULT_BUDGET, parse_budget
     from graphopt.engine.registry import PassContext
-    from graphopt.rewrites.quantize import DEFAULT_BUDGET, QuantizePass
+    from graphopt.rewrites.quantize import QuantizePass
     from graphopt.runtime import session as runtime
 
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-quant-"))

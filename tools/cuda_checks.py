@@ -218,10 +218,9 @@ def check_remove_padding(path: Path, label: str, sessions: Sessions, atol: float
 
 
 def check_quantize(path: Path, label: str, sessions: Sessions, seqs: list[np.ndarray]) -> dict:
-    from graphopt.data.metrics import compare, parse_budget
+    from graphopt.data.metrics import DEFAULT_BUDGET, compare, parse_budget
     from graphopt.engine import pipeline, recipe
     from graphopt.engine.options import OptimizeOptions
-    from graphopt.rewrites.quantize import DEFAULT_BUDGET
     from graphopt.runtime.session import make_session, run
 
     batches, _, _ = parity_feeds(seqs)

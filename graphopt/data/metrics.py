@@ -270,6 +270,9 @@ def compare(
 
 # ---------------------------------------------------------------- budgets
 
+#: the budget most lossy passes declare as their ``default_budget`` (and ``search`` searches under)
+DEFAULT_BUDGET = "cosine>=0.99,cosine_min>=0.97"
+
 _BUDGET_RE = re.compile(r"^\s*([a-z_0-9]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+|inf)\s*$")
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 

@@ -25,7 +25,6 @@ import onnx_ir as ir
 
 from graphopt import io, memory
 from graphopt.data import feeds as feeds_mod
-from graphopt.data.metrics import parse_budget
 from graphopt.engine import provenance, registry
 from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.report import PassRecord, Report
@@ -164,7 +163,7 @@ def optimize(
         rec = PassRecord(name=p.name, options=p.options_in_use(), exact=p.exact)
         rec.nodes_before = count_nodes(good)
         ops_before = op_histogram(good)
-        step_budget = budget if (budget or p.exact) else parse_budget(p.default_budget)
+        step_budget = registry.resolve_budget(p, budget)
         ctx = registry.PassContext(
             provider=provider,
             feeds=check_feeds,

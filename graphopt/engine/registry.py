@@ -36,15 +36,13 @@ import difflib
 import importlib
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.data.metrics import Budget, parse_budget
 from graphopt.errors import GraphoptError, PassError, UsageError, first_line
-
-if TYPE_CHECKING:
-    from graphopt.data.metrics import Budget
 
 #: the modules of ``graphopt.rewrites`` that define the builtin passes (one ``register`` call each)
 BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "convert_precision",
@@ -62,10 +60,31 @@ class PassContext:
     feeds: Sequence[Feed] = ()
     #: calibration feeds
     calib_feeds: Sequence[Feed] = ()
-    #: the budget a lossy pass must meet (None: the pass's ``default_budget``)
+    #: the budget a lossy pass must meet, resolved once (:func:`resolve_budget`): the pipeline hands in
+    #: ``--budget`` or the pass's ``default_budget``; a direct call without one gets the default
     budget: Budget | None = None
+    #: False when the caller gave no budget and ``budget`` is the pass's default (a direct call: the
+    #: pipeline always hands one in); a lossy pass then applies explicitly asked levels without checking
+    budget_given: bool = True
     #: say why expected patterns did not match (in the result's notes)
     explain: bool = False
+
+
+@dataclasses.dataclass
+class BudgetOutcome:
+    """What a lossy pass measured against its budget: the terms, the values on the rows held back from
+    calibration (``cosine``: its lower confidence bound where the pass uses one), met or not."""
+
+    budget: str
+    #: metric -> the value measured on the held-back rows (empty: the pass measured nothing itself)
+    measured: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: None: not decided by the pass (an explicitly asked level without a budget; the pipeline verifies)
+    met: bool | None = None
+
+    def __str__(self) -> str:
+        got = ", ".join(f"{k} {v:.4g}" for k, v in self.measured.items()) or "not measured by the pass"
+        verdict = {True: "met", False: "not met", None: "not checked"}[self.met]
+        return f"budget {self.budget}: {verdict} ({got})"
 
 
 @dataclasses.dataclass
@@ -77,6 +96,8 @@ class PassResult(ir.passes.PassResult):
     rule_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     #: lossy passes: False when no model they could make met the budget (they then keep the input)
     budget_met: bool | None = None
+    #: lossy passes: the budget, the cost measured on the held-back rows, met or not (``rewrites.common.lossy``)
+    budget_outcome: BudgetOutcome | None = None
     #: an explicit output-contract change (a pass option the user asked for): new output name ->
     #: (old output name, axis, position); the pipeline verifies the new output against that one-position
     #: slice of the old output's reference (kept as a length-1 axis)
@@ -92,12 +113,19 @@ class GraphoptPass(ir.passes.InPlacePass):
     rtol: ClassVar[float] = 1e-4
     emits: ClassVar[tuple[str, ...]] = ()
     run_after: ClassVar[tuple[str, ...]] = ()
-    #: lossy passes: the budget verified when the user gives none (e.g. "cosine>=0.99,cosine_min>=0.97")
+    #: lossy passes: the budget verified when the user gives none (most: ``metrics.DEFAULT_BUDGET``);
+    #: read by :func:`resolve_budget`, never parsed by the pass itself
     default_budget: ClassVar[str] = ""
 
     def __call__(self, model: ir.Model, ctx: PassContext | None = None) -> PassResult:  # type: ignore[override]
-        """Run the pass on ``model`` (in place) and return its result."""
+        """Run the pass on ``model`` (in place) and return its result.
+
+        A lossy pass called without a budget gets its ``default_budget`` in ``ctx.budget``
+        (``ctx.budget_given`` False).
+        """
         ctx = PassContext() if ctx is None else ctx
+        if not self.exact and not ctx.budget:
+            ctx = dataclasses.replace(ctx, budget=resolve_budget(self, None), budget_given=False)
         state = dict(vars(self))
         self.requires(model)
         result = self.call(model, ctx)
@@ -182,6 +210,15 @@ class Registry:
             raise UsageError(f"pass {name!r} has no option {unknown[0]!r}", hint=f"accepted options: {acc}")
         kwargs = {k: _convert(v, accepted[k], name, k) for k, v in options.items()}
         return cls(**kwargs)
+
+
+def resolve_budget(p: GraphoptPass | type[GraphoptPass], given: Budget | None) -> Budget | None:
+    """The budget pass ``p`` runs under: ``given`` when it has terms, else the pass's ``default_budget``
+    (a lossless pass: ``given`` as it is). Resolved once, by the pipeline (or ``GraphoptPass.__call__``
+    for a direct call); passes read ``ctx.budget``."""
+    if given or p.exact:
+        return given
+    return parse_budget(p.default_budget)
 
 
 # -------------------------------------------------------------- the builtin registry

@@ -52,7 +52,7 @@ import numpy as np
 
 from graphopt import io
 from graphopt.data import feeds as feeds_mod
-from graphopt.data.metrics import Budget, compare, parse_budget
+from graphopt.data.metrics import DEFAULT_BUDGET, Budget, compare, parse_budget
 from graphopt.engine import recipe as recipe_mod
 from graphopt.errors import UsageError, VerificationError
 from graphopt.search.candidates import FAMILIES, Candidate, _is_classifier, plan
@@ -68,8 +68,6 @@ __all__ = [
     "write",
 ]
 
-#: the budget a search uses when the user gives none (the quantize pass's default)
-DEFAULT_BUDGET = "cosine>=0.99,cosine_min>=0.97"
 #: how many of the fastest candidates within budget are timed against each other at the end
 FINAL_DUEL = 3
 #: share of the time limit kept for the final duel and writing

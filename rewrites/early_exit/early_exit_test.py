@@ -13,7 +13,10 @@ import pytest
 
 from graphopt.data import metrics
 from graphopt.engine.registry import PassContext
-from graphopt.rewrites.early_exit import EarlyExit, agreement_lower_bound, find_layers, pool_features
+from graphopt.rewrites.common.bounds import agreement_lower_bound
+from graphopt.rewrites.early_exit import EarlyExitPass
+from graphopt.rewrites.early_exit.heads import pool_features
+from graphopt.rewrites.early_exit.layers import find_layers
 from graphopt.runtime import session as runtime
 
 LAYERS, HIDDEN, CLASSES, VOCAB = 3, 16, 3, 40
@@ -105,7 +108,7 @@ def _head_logits(rewritten: ir.Model, layer: int, h: np.ndarray, mask: np.ndarra
 
 
 def _apply(model: ir.Model, calib, **options):
-    return EarlyExit(**options)(model, PassContext(calib_feeds=calib))
+    return EarlyExitPass(**options)(model, PassContext(calib_feeds=calib))
 
 
 def test_finds_one_boundary_per_layer():
@@ -200,7 +203,7 @@ def test_refuses_without_layers():
 def test_refuses_embedding_output_with_fidelity_table():
     model = _tiny_encoder(classifier=False)
     before = [n.op_type for n in model.graph]
-    result = EarlyExit()(model, PassContext(calib_feeds=_feeds(6), budget=metrics.parse_budget("cosine>=0.99,max_abs<=0")))
+    result = EarlyExitPass()(model, PassContext(calib_feeds=_feeds(6), budget=metrics.parse_budget("cosine>=0.99,max_abs<=0")))
     assert not result.modified and result.budget_met is False
     assert "not class logits" in result.notes[0]
     assert "layer 1: cosine" in result.notes[0] and "layer 2: cosine" in result.notes[0]
@@ -246,7 +249,7 @@ def test_options_are_checked():
     for bad in ({"mode": "rows"}, {"criterion": "margin"}, {"layers": "a"}, {"layers": "0"}, {"head": "tree"},
                 {"confidence": 1.0}, {"confidence": -0.1}):
         with pytest.raises(UsageError):
-            EarlyExit(**bad)
+            EarlyExitPass(**bad)
     model = _tiny_encoder()
     result = _apply(model, _feeds(6), layers=str(LAYERS), threshold=0.5)
     assert not result.modified and "exits must be after layers" in result.notes[0]
@@ -268,7 +271,7 @@ def test_agreement_lower_bound_is_clopper_pearson():
 def test_margin_picks_a_stricter_threshold():
     """The threshold is the cheapest whose tune lower bound meets the budget: with a margin, rows that a
     plain tune agreement would let exit stay on; confidence 0 reproduces the plain choice."""
-    from graphopt.rewrites.early_exit import _Run
+    from graphopt.rewrites.early_exit.thresholds import calibrate
 
     rng = np.random.default_rng(0)
     rows, n_layers = 400, 3
@@ -282,8 +285,8 @@ def test_margin_picks_a_stricter_threshold():
     layer_of = np.array([1, n_layers])
 
     def pick(confidence):
-        run = _Run(EarlyExit(confidence=confidence), None, None, None)
-        return run._calibrate(preds, scores, labels, layer_of, 0.99, idx, idx, n_layers)
+        return calibrate(preds, scores, labels, layer_of, 0.99, idx, idx, n_layers, criterion="maxprob",
+                         confidence=confidence, note=lambda msg: None)
 
     plain, margin = pick(0.0), pick(0.95)
     assert plain is not None and margin is not None
@@ -351,7 +354,7 @@ def test_embeddings_refused_with_fidelity_table():
         load_models_module("minilm").build()
     model = ir.load(EMBEDDINGS)
     n = len(list(model.graph))
-    result = EarlyExit()(model, PassContext(calib_feeds=_sentence_feeds(3),
+    result = EarlyExitPass()(model, PassContext(calib_feeds=_sentence_feeds(3),
                                             budget=metrics.parse_budget("cosine>=0.99")))
     assert not result.modified and result.budget_met is False
     note = result.notes[0]

@@ -52,14 +52,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.data.feeds import calibration_feeds
-from graphopt.data.metrics import Budget, Comparison, compare, find_mask, parse_budget
+from graphopt.data.metrics import Comparison, compare, find_mask
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
-from graphopt.rewrites.common.budget import share
+from graphopt.rewrites.common import lossy
 from graphopt.rewrites.prune_heads import layers as layers_mod
 from graphopt.rewrites.prune_heads import probe as probe_mod
-from graphopt.rewrites.prune_heads.layers import Layer, Refusal
+from graphopt.rewrites.prune_heads.attention import Layer, Refusal
 from graphopt.runtime import standins
 
 logger = logging.getLogger(__name__)
@@ -102,22 +101,13 @@ class PruneHeadsPass(GraphoptPass):
         self.iterative = int(iterative)
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        notes: list[str] = []
         try:
             layers = layers_mod.find_layers(model)
         except Refusal as e:
             return PassResult(model, False, notes=[f"not applied: {e}"])
-        budget = ctx.budget or parse_budget(DEFAULT_BUDGET)
-        if not ctx.budget:
-            notes.append(f"no budget given: using the default {DEFAULT_BUDGET}")
-        if self.budget_share < 1.0:
-            budget = share(budget, self.budget_share)
-            notes.append(f"budget_share {self.budget_share:g}: searching under {budget}")
-        calib, held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds, "ranking")
-        if fed:
-            notes.append(fed)
-        run = _Run(self, model, layers, budget, calib, held, notes)
-        return run.go()
+        s = lossy.BudgetSearch.of(self, ctx, budget_share=self.budget_share, default_note=True, log=False)
+        s.rows(model, ctx, "ranking", log=False)
+        return _Run(self, model, layers, s).go()
 
 
 def _loss(c: Comparison) -> float:
@@ -143,14 +133,19 @@ class _Run:
     opts: PruneHeadsPass
     model: ir.Model
     layers: list[Layer]
-    budget: Budget
-    calib: list[Mapping[str, np.ndarray]]
-    held: list[Mapping[str, np.ndarray]]
-    notes: list[str]
+    #: the budget, calibration / held-back rows, references and notes
+    s: lossy.BudgetSearch
 
     def note(self, msg: str) -> None:
-        logger.info("prune-heads: %s", msg)
-        self.notes.append(msg)
+        self.s.note(msg)
+
+    @property
+    def calib(self) -> list[Mapping[str, np.ndarray]]:
+        return self.s.calib
+
+    @property
+    def held(self) -> list[Mapping[str, np.ndarray]]:
+        return self.s.held
 
     # ------------------------------------------------------------ setup
 
@@ -164,8 +159,8 @@ class _Run:
         ref = self.probe.run(self.calib, self.full, contexts=True)
         self.fits = [self._fit(i, ref) for i in range(len(layers))]
         ctx_names = set(self.probe.contexts)
-        self.ref_calib = [{k: v for k, v in r.items() if k not in ctx_names} for r in ref]
-        self.ref_held = self.probe.run(self.held, self.full)
+        self.s.ref_calib = [{k: v for k, v in r.items() if k not in ctx_names} for r in ref]
+        self.s.ref_held = self.probe.run(self.held, self.full)
 
     def go(self) -> PassResult:
         opts, layers = self.opts, self.layers
@@ -182,24 +177,24 @@ class _Run:
         if opts.heads or opts.ratio:
             k = min(opts.heads or int(round(opts.ratio * total)), len(order))
             chosen = order[:k]
-            held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate)
+            held = self.evaluate(chosen, self.held, self.s.ref_held, opts.compensate)
             budget_met = None
         else:
             k = self.search(order)
             chosen = order[:k]
-            held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate) if k else None
-            if k and self.budget.failures(held):
+            held = self.evaluate(chosen, self.held, self.s.ref_held, opts.compensate) if k else None
+            if k and self.s.fails(held):
                 self.note(f"{k} heads meet the budget on calibration but not on held-back feeds: searching there")
-                k = self.search(order[:k - 1], self.held, self.ref_held)
+                k = self.search(order[:k - 1], self.held, self.s.ref_held)
                 chosen = order[:k]
-                held = self.evaluate(chosen, self.held, self.ref_held, opts.compensate) if k else None
+                held = self.evaluate(chosen, self.held, self.s.ref_held, opts.compensate) if k else None
             budget_met = k > 0
             if not k:
-                self.note(f"budget {self.budget}: not even one head can go; model left unchanged")
-                return PassResult(self.model, False, notes=self.notes, budget_met=False)
+                self.note(f"budget {self.s.budget}: not even one head can go; model left unchanged")
+                return self.s.result(self.model, False, met=False)
         if not chosen:
             self.note("no head to remove (heads=0 / ratio rounds to 0)")
-            return PassResult(self.model, False, notes=self.notes, budget_met=budget_met)
+            return self.s.result(self.model, False, met=budget_met, held=held)
         self.report(chosen, held, total)
         weights, biases = self.refit(chosen) if opts.compensate else (None, None)
         by_layer = _by_layer(chosen, len(layers))
@@ -213,7 +208,7 @@ class _Run:
             layers_mod.prune_layer(graph, layer, keep, w, None if biases is None else biases[i])
         counts = {"prune-heads-removed": len(chosen),
                   "prune-heads-layers": sum(1 for h in by_layer if h)}
-        return PassResult(self.model, True, notes=self.notes, rule_counts=counts, budget_met=budget_met)
+        return self.s.result(self.model, True, met=budget_met, held=held, rule_counts=counts)
 
     def _fit(self, i: int, ref: list[dict[str, np.ndarray]]) -> _Fit:
         layer, w = self.layers[i], self.probe.out_weights[i].astype(np.float64)
@@ -252,7 +247,7 @@ class _Run:
             return [(i, h, float(f.energy[h] / max(f.total, 1e-30)))
                     for i, f in enumerate(self.fits) for h in range(len(f.energy))]
         n = opts.rank_feeds if opts.rank_feeds > 0 else len(self.calib)
-        feeds, ref = self.calib[:n], self.ref_calib[:n]
+        feeds, ref = self.calib[:n], self.s.ref_calib[:n]
         for i, layer in enumerate(self.layers):
             for h in range(layer.num_heads):
                 masks = [m.copy() for m in self.full]
@@ -265,7 +260,7 @@ class _Run:
         the heads already chosen (with compensation when it is on) and takes the ``iterative`` cheapest."""
         opts = self.opts
         n = opts.rank_feeds if opts.rank_feeds > 0 else len(self.calib)
-        feeds, ref = self.calib[:n], self.ref_calib[:n]
+        feeds, ref = self.calib[:n], self.s.ref_calib[:n]
         chosen: list[tuple[int, int]] = []
         left = [la.num_heads for la in self.layers]
         while len(chosen) < limit:
@@ -337,16 +332,10 @@ class _Run:
 
     def search(self, order: list[tuple[int, int]], feeds=None, ref=None) -> int:
         """The most heads (a prefix of ``order``) whose model meets the budget on ``feeds`` (calibration)."""
-        feeds, ref = (self.calib, self.ref_calib) if feeds is None else (feeds, ref)
-        lo, hi, best = 1, len(order), 0
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            c = self.evaluate(order[:mid], feeds, ref, self.opts.compensate)
-            if not self.budget.failures(c):
-                best, lo = mid, mid + 1
-            else:
-                hi = mid - 1
-        return best
+        feeds, ref = (self.calib, self.s.ref_calib) if feeds is None else (feeds, ref)
+        return lossy.bisect(1, len(order), lambda k: self.s.meets(self.evaluate(order[:k], feeds, ref,
+                                                                                 self.opts.compensate)),
+                            last=True) or 0
 
     # ------------------------------------------------------------ report
 
@@ -365,8 +354,8 @@ class _Run:
             params += len(hs) * (3 * dm * d + 3 * d + d * dm)
             flops += len(hs) * (2 * (3 * dm * d + d * dm) + 4 * FLOP_SEQ * d)
         self.note(f"parameters removed {params:,}; FLOPs removed {flops / 1e6:.2f} M per token (sequence {FLOP_SEQ})")
-        other = self.evaluate(chosen, self.held, self.ref_held, not self.opts.compensate)
-        cal = self.evaluate(chosen, self.calib, self.ref_calib, self.opts.compensate)
+        other = self.evaluate(chosen, self.held, self.s.ref_held, not self.opts.compensate)
+        cal = self.evaluate(chosen, self.calib, self.s.ref_calib, self.opts.compensate)
         with_c, without = (held, other) if self.opts.compensate else (other, held)
         self.note(f"held-back: with compensation {m(with_c)}; without {m(without)}; "
                   f"calibration ({'with' if self.opts.compensate else 'without'}): {m(cal)}")

@@ -14,12 +14,13 @@ Reshape shapes on the context path whose last entry is ``H``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.rewrites.prune_heads import unfused
+from graphopt.rewrites.prune_heads.attention import Layer, Refusal, const_array
 from graphopt.runtime.contrib import attention_attributes, attention_inputs, is_attention
 
 #: fused attention ops whose heads this pass can slice
@@ -30,56 +31,6 @@ _THROUGH = ("Identity", "Cast", "Squeeze", "Unsqueeze", "Gather", "Concat", "Res
 
 _QUANTIZED = ("DynamicQuantizeMatMul", "MatMulIntegerToFloat", "MatMulInteger", "QLinearMatMul", "MatMulNBits",
               "DequantizeLinear")
-
-
-class Refusal(Exception):
-    """A layer (or the graph) this pass cannot prune; the message is the note."""
-
-
-@dataclasses.dataclass
-class Layer:
-    """One attention layer: its copies, projections and head geometry."""
-
-    index: int
-    copies: list[ir.Node]
-    num_heads: int
-    head_size: int
-    out_matmul: ir.Node
-    #: Attention: the packed QKV weight and bias; MHA: the Q, K, V MatMuls and the packed bias
-    qkv_weight: ir.Value | None = None
-    qkv_bias: ir.Value | None = None
-    proj: tuple[ir.Node, ir.Node, ir.Node] | None = None
-    reshapes: list[ir.Node] = dataclasses.field(default_factory=list)
-    #: unfused attention: the Q/K/V bias Adds and the index of their constant [H] input
-    proj_biases: list[tuple[ir.Node, int]] = dataclasses.field(default_factory=list)
-    #: unfused attention: the values between the Q/K/V projections and the output projection
-    region: list[ir.Value] | None = None
-
-    @property
-    def hidden(self) -> int:
-        return self.num_heads * self.head_size
-
-    @property
-    def out_weight(self) -> ir.Value:
-        return self.out_matmul.inputs[1]
-
-    @property
-    def model_dim(self) -> int:
-        return int(self.out_weight.const_value.shape[1])
-
-    def name(self) -> str:
-        return f"layer {self.index} ({self.copies[0].op_type} {self.copies[0].name!r}" + (
-            f" +{len(self.copies) - 1} copies)" if len(self.copies) > 1 else ")")
-
-    def channels(self, heads: Iterable[int]) -> np.ndarray:
-        """Context channels of ``heads`` (sorted)."""
-        d = self.head_size
-        return np.concatenate([np.arange(h * d, (h + 1) * d) for h in sorted(heads)]).astype(np.int64)
-
-
-def _const(v: ir.Value | None) -> np.ndarray | None:
-    t = None if v is None else ir.convenience.get_const_tensor(v)
-    return None if t is None else t.numpy()
 
 
 def _through_forward(node: ir.Node) -> bool:
@@ -103,7 +54,7 @@ def _find_out_projection(attn: ir.Node, hidden: int) -> tuple[ir.Node, list[ir.N
             if id(user) in seen:
                 continue
             if user.op_type == "MatMul" and user.domain in ("", "ai.onnx") and idx == 0:
-                w = _const(user.inputs[1])
+                w = const_array(user.inputs[1])
                 if w is None or w.ndim != 2 or w.shape[0] != hidden:
                     raise Refusal(f"the context of {attn.op_type} {attn.name!r} reaches MatMul {user.name!r} "
                                   f"without a constant [{hidden}, D] weight")
@@ -114,7 +65,7 @@ def _find_out_projection(attn: ir.Node, hidden: int) -> tuple[ir.Node, list[ir.N
                 raise Refusal(f"the context of {attn.op_type} {attn.name!r} reaches {user.op_type} {user.name!r}, "
                               "not an output projection (only Reshape/Concat/Gather/Squeeze on the way)")
             if user.op_type == "Reshape":
-                shape = _const(user.inputs[1])
+                shape = const_array(user.inputs[1])
                 if shape is None or shape[-1] != hidden or hidden in shape[:-1]:
                     raise Refusal(f"Reshape {user.name!r} on the context path of {attn.name!r} has shape "
                                   f"{None if shape is None else shape.tolist()}, not [..., {hidden}]")
@@ -131,7 +82,7 @@ def _find_projection(v: ir.Value | None, hidden: int | None, where: str) -> ir.N
     while v is not None and v.producer() is not None:
         p = v.producer()
         if p.op_type == "MatMul" and p.domain in ("", "ai.onnx"):
-            w = _const(p.inputs[1])
+            w = const_array(p.inputs[1])
             if w is None or w.ndim != 2 or (hidden is not None and w.shape[1] != hidden):
                 break
             return p
@@ -155,8 +106,6 @@ def find_layers(model: ir.Model) -> list[Layer]:
             raise Refusal("the attention is quantized (QAttention): run prune-heads before quantize")
         if any(n.op_type in _QUANTIZED for n in model.graph):
             raise Refusal("the graph has quantized MatMuls: run prune-heads before quantize")
-        from graphopt.rewrites.prune_heads import unfused
-
         return unfused.find_layers(model)
     by_out: dict[int, Layer] = {}
     order: list[Layer] = []
@@ -168,7 +117,7 @@ def find_layers(model: ir.Model) -> list[Layer]:
             raise Refusal(f"{where} is causal, rotary, has past state or no num_heads: not pruned")
         n = int(attrs.num_heads)
         if node.op_type == "Attention":
-            w, b = _const(a.weights), _const(a.bias)
+            w, b = const_array(a.weights), const_array(a.bias)
             if w is None or w.ndim != 2 or (a.bias is not None and b is None):
                 raise Refusal(f"{where} has no constant packed QKV weight/bias")
             sizes = attrs.qkv_sizes(int(w.shape[1]))
@@ -178,14 +127,14 @@ def find_layers(model: ir.Model) -> list[Layer]:
         else:
             if a.query is None or a.key is None or a.value is None:
                 raise Refusal(f"{where} takes packed QKV in one input: not pruned")
-            b = _const(a.bias)
+            b = const_array(a.bias)
             if a.bias is not None and b is None:
                 raise Refusal(f"{where} has a non-constant bias")
             hidden = None
         proj = None
         if hidden is None:  # MHA: the width is the Q projection's
             proj = tuple(_find_projection(x, None, where) for x in (a.query, a.key, a.value))
-            widths = {int(_const(mm.inputs[1]).shape[1]) for mm in proj}
+            widths = {int(const_array(mm.inputs[1]).shape[1]) for mm in proj}
             if len(widths) != 1:
                 raise Refusal(f"{where}: Q/K/V projections of unequal widths {sorted(widths)}")
             hidden = widths.pop()
@@ -242,31 +191,29 @@ def prune_layer(graph: ir.Graph, layer: Layer, keep: Sequence[int], out_weight: 
     hid, tag = layer.hidden, f"h{len(keep)}"
     if layer.proj is None:  # Attention: packed [D, 3H] weight, [3H] bias
         cols = np.concatenate([ch, hid + ch, 2 * hid + ch])
-        w = _const(layer.qkv_weight)
+        w = const_array(layer.qkv_weight)
         _set_const(graph, _uses_in(layer.qkv_weight, layer.copies), layer.qkv_weight, np.ascontiguousarray(w[:, cols]),
                    tag)
     else:
         cols = np.concatenate([ch, hid + ch, 2 * hid + ch])
         for mm in layer.proj:
-            w = _const(mm.inputs[1])
+            w = const_array(mm.inputs[1])
             _set_const(graph, [(mm, 1)], mm.inputs[1], np.ascontiguousarray(w[:, ch]), tag)
     for add, idx in layer.proj_biases:
-        b = _const(add.inputs[idx])
+        b = const_array(add.inputs[idx])
         _set_const(graph, [(add, idx)], add.inputs[idx], np.ascontiguousarray(b[ch]), tag)
     if layer.qkv_bias is not None:
-        b = _const(layer.qkv_bias)
+        b = const_array(layer.qkv_bias)
         _set_const(graph, _uses_in(layer.qkv_bias, layer.copies), layer.qkv_bias, np.ascontiguousarray(b[cols]), tag)
     width = len(ch)
     if layer.region is not None:  # unfused
-        from graphopt.rewrites.prune_heads import unfused
-
         unfused.rewrite_shapes(graph, layer, len(keep), _set_const)
     for node in (n for n in layer.copies if n.op_type in OPS):
         node.attributes["num_heads"] = ir.AttrInt64("num_heads", len(keep))
         if "qkv_hidden_sizes" in node.attributes:
             node.attributes["qkv_hidden_sizes"] = ir.AttrInt64s("qkv_hidden_sizes", [width] * 3)
     for r in layer.reshapes if layer.region is None else ():
-        shape = _const(r.inputs[1]).copy()
+        shape = const_array(r.inputs[1]).copy()
         shape[-1] = width
         _set_const(graph, [(r, 1)], r.inputs[1], shape, tag)
     mm = layer.out_matmul
@@ -283,7 +230,7 @@ def _add_bias(graph: ir.Graph, mm: ir.Node, delta: np.ndarray, tag: str) -> None
         user, _ = users[0]
         if user.op_type in ("Add", "Sum") and user.domain in ("", "ai.onnx"):
             for i, v in enumerate(user.inputs):
-                c = _const(v)
+                c = const_array(v)
                 if c is not None and c.shape == delta.shape and c.dtype == np.float32:
                     _set_const(graph, [(user, i)], v, c + delta, tag)
                     return

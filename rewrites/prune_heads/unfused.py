@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from graphopt.rewrites.prune_heads.layers import Layer, Refusal, _const
+from graphopt.rewrites.prune_heads.attention import Layer, Refusal, const_array
 
 _STD = ("", "ai.onnx")
 #: between probs @ V and the output projection
@@ -25,7 +25,7 @@ _MERGE = ("Transpose", "Reshape", "Identity", "Cast")
 
 def _entries(shape_value: ir.Value) -> list[int | None] | None:
     """A Reshape shape as entries (None: computed), or None where its length is unknown."""
-    c = _const(shape_value)
+    c = const_array(shape_value)
     if c is not None:
         return [int(x) for x in c.reshape(-1)]
     p = shape_value.producer()
@@ -33,7 +33,7 @@ def _entries(shape_value: ir.Value) -> list[int | None] | None:
         return None
     out: list[int | None] = []
     for v in p.inputs:
-        c = _const(v)
+        c = const_array(v)
         if c is not None:
             out.extend(int(x) for x in c.reshape(-1))
         elif v.shape is not None and v.shape.rank() == 1 and isinstance(v.shape[0], int):
@@ -53,7 +53,7 @@ def _slice_length(v: ir.Value) -> int | None:
     if p is None or p.op_type != "Slice" or len(p.inputs) != 3 or p.inputs[0].producer() is None \
             or p.inputs[0].producer().op_type != "Shape":
         return None
-    a, b = _const(p.inputs[1]), _const(p.inputs[2])
+    a, b = const_array(p.inputs[1]), const_array(p.inputs[2])
     if a is None or b is None or a.size != 1 or b.size != 1 or not 0 <= int(a[0]) <= int(b[0]) < 2 ** 31:
         return None
     return int(b[0]) - int(a[0])
@@ -64,14 +64,14 @@ def _is_scalar_unsqueezed(v: ir.Value) -> bool:
     p = v.producer()
     if p is None or p.op_type != "Unsqueeze":
         return False
-    axes = _const(p.inputs[1]) if len(p.inputs) > 1 else None
+    axes = const_array(p.inputs[1]) if len(p.inputs) > 1 else None
     if axes is None or axes.size != 1:
         return False
     x = p.inputs[0]
     if x.shape is not None and x.shape.rank() == 0:
         return True
     g = x.producer()
-    idx = None if g is None or g.op_type != "Gather" else _const(g.inputs[1])
+    idx = None if g is None or g.op_type != "Gather" else const_array(g.inputs[1])
     return idx is not None and idx.ndim == 0
 
 
@@ -79,7 +79,7 @@ def _ctx_matmuls(graph: ir.Graph) -> list[ir.Node]:
     """``probs @ V`` MatMuls: input 0 comes from a Softmax (through Where/IsNaN masking, Cast, Dropout)."""
     out = []
     for n in graph:
-        if n.op_type != "MatMul" or n.domain not in _STD or _const(n.inputs[1]) is not None:
+        if n.op_type != "MatMul" or n.domain not in _STD or const_array(n.inputs[1]) is not None:
             continue
         v = n.inputs[0]
         while v is not None and v.producer() is not None:
@@ -105,7 +105,7 @@ def _out_projection(mm: ir.Node) -> tuple[ir.Node, list[ir.Node]]:
                           "projection)")
         user, idx = uses[0]
         if user.op_type == "MatMul" and user.domain in _STD and idx == 0:
-            w = _const(user.inputs[1])
+            w = const_array(user.inputs[1])
             if w is None or w.ndim != 2:
                 raise Refusal(f"the context of MatMul {mm.name!r} reaches MatMul {user.name!r} without a constant "
                               "weight")
@@ -131,7 +131,7 @@ def _projections(mm: ir.Node, where: str) -> list[ir.Node]:
             seen.add(id(p))
             if p.op_type in ("Shape", "Size", "Constant"):
                 continue
-            if p.op_type == "MatMul" and _const(p.inputs[1]) is not None:
+            if p.op_type == "MatMul" and const_array(p.inputs[1]) is not None:
                 projs.append(p)
                 continue
             if p.op_type in ("LayerNormalization", "SkipLayerNormalization", "Gelu"):
@@ -149,7 +149,7 @@ def _bias(mm: ir.Node, hidden: int) -> tuple[ir.Node, int] | None:
     user, idx = uses[0]
     if user.op_type == "Add":
         other = 1 - idx
-        c = _const(user.inputs[other])
+        c = const_array(user.inputs[other])
         if c is not None and c.shape == (hidden,):
             return user, other
     return None
@@ -162,7 +162,7 @@ def find_layers(model: ir.Model) -> list[Layer]:
     for mm in _ctx_matmuls(graph):
         where = f"attention MatMul {mm.name!r}"
         out, merge = _out_projection(mm)
-        hidden = int(_const(out.inputs[1]).shape[0])
+        hidden = int(const_array(out.inputs[1]).shape[0])
         projs = _projections(mm, where)
         region = _region(projs, out)
         if any(v.is_graph_output() for v in region):
@@ -174,7 +174,7 @@ def find_layers(model: ir.Model) -> list[Layer]:
         if any(id(r.inputs[0]) not in ids for r in split):
             raise Refusal(f"{where}: unexpected Reshape")
         for p in projs:
-            w = _const(p.inputs[1])
+            w = const_array(p.inputs[1])
             if w.ndim != 2 or w.shape[1] != hidden:
                 raise Refusal(f"{where}: projection {p.name!r} has weight shape {list(w.shape)}, not [D, {hidden}]")
         d = None
@@ -196,7 +196,7 @@ def find_layers(model: ir.Model) -> list[Layer]:
                 raise Refusal(f"{where}: Reshape {r.name!r} has a shape of unknown length")
             bad = [i for i, x in enumerate(e) if x is not None and (x == hidden or (x == n and not (
                 x == d and i == len(e) - 1)))]
-            if bad and _const(r.inputs[1]) is None:
+            if bad and const_array(r.inputs[1]) is None:
                 raise Refusal(f"{where}: Reshape {r.name!r} computes its shape with the head count {n} or width "
                               f"{hidden} as a constant ({e}): not rewritten")
             if bad:
@@ -233,7 +233,7 @@ def rewrite_shapes(graph: ir.Graph, layer: Layer, kept: int, set_const) -> None:
     """Constant Reshape shapes of ``layer`` with its head count / width; shapes of the values in between dropped."""
     n, hid, width = layer.num_heads, layer.hidden, kept * layer.head_size
     for r in layer.reshapes:
-        e = _const(r.inputs[1]).copy()
+        e = const_array(r.inputs[1]).copy()
         for i, x in enumerate(e):
             if x == hid:
                 e[i] = width

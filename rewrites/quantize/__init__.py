@@ -23,7 +23,8 @@ int4 mode; ``false``: keep tables float). In int4
 mode fused Attention weights go to int8 ``QAttention`` (no 4-bit attention kernel), and the layers the
 budget search takes out of 4 bits fall back to int8 (``DynamicQuantizeMatMul``), not float.
 
-Budget: ``ctx.budget``, or cosine>=0.99 & cosine_min>=0.97 when the user gave none. With
+Budget: ``ctx.budget`` (``--budget``, or ``metrics.DEFAULT_BUDGET``), searched through ``common.lossy``
+(``search.py``). With
 ``mixed=true`` each layer's sensitivity is measured (``sensitivity=model``: the budget
 metric with only that layer quantized, one session per layer; ``sensitivity=local``: the layer's own
 relative output error on sampled calibration rows, no extra sessions, but a worse ranking: on MiniLM
@@ -43,13 +44,14 @@ each candidate's session is built after the previous one is gone, and weights ar
 time (copied out of their memory map, large ones quantized in column blocks). Peak memory stays
 near the size of the weights (docs/benchmarks.md, issue 14).
 
-Refuses (keeps float): see ``_quant_qdq``; graphs without constant-weight MatMul/Attention are left
+Refuses (keeps float): see ``qdq``; graphs without constant-weight MatMul/Attention are left
 unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
@@ -60,39 +62,28 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt import io, memory
-from graphopt.data.feeds import calibration_feeds, split_feeds
-from graphopt.data.metrics import Budget, Comparer, Comparison, parse_budget
+from graphopt.data.feeds import split_feeds
+from graphopt.data.metrics import DEFAULT_BUDGET, Comparison, parse_budget
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.engine.verify import run_session
 from graphopt.errors import UsageError
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites.common import activations as calib_mod
+from graphopt.rewrites.common import lossy
 from graphopt.rewrites.quantize import qdq
 from graphopt.rewrites.quantize import smooth as smooth_mod
-from graphopt.rewrites.quantize.qdq import QConfig, Target
+from graphopt.rewrites.quantize import targets as targets_mod
+from graphopt.rewrites.quantize.search import Outcome, Search
+from graphopt.rewrites.quantize.targets import QConfig, Target
 from graphopt.runtime import session as runtime
 from graphopt.runtime import standins
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUDGET = "cosine>=0.99,cosine_min>=0.97"
 MODES = ("auto", "dynamic", "static", "int4")
 CALIBRATORS = ("auto", "minmax", "percentile", "entropy")
 INTEGER_OPS = ("QLinear", "MatMulInteger", "DynamicQuantize", "QAttention", "MatMulNBits", "QEmbed",
                "QGemm", "QuantizeLinear")
-
-
-@dataclasses.dataclass
-class _Outcome:
-    mode: str
-    plan: dict[str, QConfig]
-    factors: dict[str, np.ndarray]
-    floats: list[str]
-    int8: list[str] = dataclasses.field(default_factory=list)  # int4 mode: layers moved to int8
-    calib: Comparison | None = None
-    held: Comparison | None = None
-    ok: bool = False
-    float_macs: float = 0.0
 
 
 class QuantizePass(GraphoptPass):
@@ -166,7 +157,7 @@ class QuantizePass(GraphoptPass):
               ) -> tuple[ir.Model, dict[str, int]]:
         """Apply ``plan`` (and SmoothQuant ``factors``) to ``model`` in place."""
         plan = {k: dataclasses.replace(v) for k, v in plan.items()}
-        targets = qdq.find_targets(model, embeddings=self.embeddings)
+        targets = targets_mod.find_targets(model, embeddings=self.embeddings)
         counts: dict[str, int] = {}
         if factors:
             # x / s is folded into the producer or done by a Mul: x / s inside a per-channel QuantizeLinear
@@ -185,23 +176,14 @@ class QuantizePass(GraphoptPass):
     # ------------------------------------------------------------ the pass
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        notes: list[str] = []
-
-        def note(msg: str) -> None:
-            logger.info("quantize: %s", msg)
-            notes.append(msg)
-
-        budget = ctx.budget
-        if not budget:
-            note(f"no budget given: using the default {DEFAULT_BUDGET}")
-            budget = parse_budget(DEFAULT_BUDGET)
-        calib, held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds)
-        if fed:
-            note(fed)
-        targets = qdq.find_targets(model, embeddings=self.embeddings)
+        s = lossy.BudgetSearch.of(self, ctx, default_note=True)
+        note = s.note
+        s.rows(model, ctx)
+        calib = s.calib
+        targets = targets_mod.find_targets(model, embeddings=self.embeddings)
         if not targets:
             note("nothing to quantize (no MatMul/Attention with constant weights)")
-            return PassResult(model, False, notes=notes)
+            return s.result(model, False)
         keep = {k.strip() for k in self.keep_float.split(",") if k.strip()}
         provider = ctx.provider
         act_type = self.act_type if self.act_type != "auto" else ("s8" if provider == "cuda" else "u8")
@@ -229,8 +211,7 @@ class QuantizePass(GraphoptPass):
         # The float outputs are kept (spilled to disk past a memory budget), the session is not: at most
         # one session (calibration, then each candidate) holds weights at a time
         sess = runtime.make_session(standins.cpu_runnable(model)[0], threads=1)
-        ref_calib = run_session(sess, calib)
-        ref_held = run_session(sess, held)
+        s.reference(functools.partial(run_session, sess))
         del sess
         memory.trim()
         sensitivity = self.sensitivity
@@ -269,7 +250,7 @@ class QuantizePass(GraphoptPass):
                 on_done=reduce if gptq else None,
             )
 
-        run = _Run(self, model, targets, budget, calib, held, ref_calib, ref_held, stats, notes, sensitivity)
+        run = Search(s, self.build, model, targets, self.mixed, self.sensitivity_feeds, stats, sensitivity)
         outcomes = []
         ranking: list[str] | None = None
         for mode, sq in modes:
@@ -287,8 +268,8 @@ class QuantizePass(GraphoptPass):
         for o in outcomes:
             note(self._describe(o))
         if not good:
-            note(f"budget {budget} cannot be met by any quantized model: model left unchanged (fp32)")
-            return PassResult(model, False, notes=notes, budget_met=False)
+            note(f"budget {s.budget} cannot be met by any quantized model: model left unchanged (fp32)")
+            return s.result(model, False, met=False)
         labels = [o.mode for o in outcomes]
         best = min(good, key=lambda o: (o.float_macs, labels.index(o.mode)))
         _, counts = self.build(model, best.plan, best.factors)
@@ -298,7 +279,7 @@ class QuantizePass(GraphoptPass):
             rule_counts["quantize-int4-as-int8"] = len(best.int8)
         note(f"chose {best.mode}" + (f" (format {fmt}, {act_type} activations)" if best.mode.startswith("static") else ""))
         note(self._integer_ops_note(model))
-        return PassResult(model, True, notes=notes, rule_counts=rule_counts)
+        return s.result(model, True, met=True, held=best.held, rule_counts=rule_counts)
 
     def _base_plan(self, mode: str, sq: bool, targets: list[Target], stats, act_type: str, fmt: str,
                    int4_q: Mapping[str, tuple[np.ndarray, np.ndarray]]):
@@ -368,7 +349,7 @@ class QuantizePass(GraphoptPass):
                 best = (err, r, c)
         return best[1], best[2]
 
-    def _describe(self, o: _Outcome) -> str:
+    def _describe(self, o: Outcome) -> str:
         def m(c: Comparison | None) -> str:
             if c is None:
                 return "n/a"
@@ -410,199 +391,6 @@ class QuantizePass(GraphoptPass):
         return ("ORT CPU optimized graph: integer ops " + (", ".join(f"{k} x{v}" for k, v in sorted(integer.items()))
                 or "none") + "; float matmul-like ops " + (", ".join(f"{k} x{v}" for k, v in sorted(flt.items()))
                                                            or "none"))
-
-
-@dataclasses.dataclass
-class _Run:
-    """One call of the pass: what the budget search works on, and the notes it writes.
-
-    Made fresh by every ``QuantizePass.call``; nothing of it is kept on the pass.
-    """
-
-    opts: QuantizePass
-    model: ir.Model
-    targets: list[Target]
-    budget: Budget
-    calib: list[Mapping[str, np.ndarray]]
-    held: list[Mapping[str, np.ndarray]]
-    ref_calib: list = dataclasses.field(default_factory=list)
-    ref_held: list = dataclasses.field(default_factory=list)
-    stats: dict[str, calib_mod.Stats] = dataclasses.field(default_factory=dict)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    ranking_by: str = "model"  # "model" | "local": the sensitivity option with "auto" resolved
-
-    def __post_init__(self) -> None:
-        self.macs = {t.key: t.macs_per_row for t in self.targets}
-        self.total_macs = float(sum(self.macs.values())) or 1.0
-
-    def note(self, msg: str) -> None:
-        logger.info("quantize: %s", msg)
-        self.notes.append(msg)
-
-    def evaluate(self, plan: Mapping[str, QConfig], factors: Mapping[str, np.ndarray], feeds, ref) -> Comparison:
-        """Quality of ``plan`` applied to a copy of the model, on ``feeds`` against ``ref``."""
-        cand, _ = self.opts.build(self.model.clone(), plan, factors)
-        sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
-        del cand
-        memory.trim()  # the session holds the weights it needs; the candidate's arrays go
-        comparer = Comparer()
-        run_session(sess, feeds, comparer=comparer, reference=ref, keep=False)
-        del sess
-        memory.trim()
-        return comparer.result()
-
-    def search(self, mode: str, plan: dict[str, QConfig], factors: dict[str, np.ndarray],
-               ranking: list[str] | None) -> tuple[_Outcome, list[str] | None]:
-        """The quantized model of ``mode`` with the fewest float layers that meets the budget."""
-        keys = [t.key for t in self.targets if t.key in plan]
-        macs, total = self.macs, self.total_macs
-        budget = self.budget
-
-        # the ladder of candidates, least to most float, walked by binary search (monotone assumption):
-        # step i keeps the i most sensitive layers float; in int4 mode the first n steps instead move
-        # them to int8 (dynamic) and only then do they go float (with everything else int8): the model
-        # stays small. "All float" is not a quantized model.
-        int4 = mode.startswith("int4")
-
-        def outcome(i: int) -> _Outcome:
-            n = len(order)
-            if int4 and i <= n:
-                floats, int8 = [], order[:i]
-            elif int4:
-                floats, int8 = order[:i - n], order[i - n:]
-            else:
-                floats, int8 = order[:i], []
-            p = {k: v for k, v in plan.items() if k not in floats}
-            p.update({k: QConfig("dynamic") for k in int8 if k in p})
-            return _Outcome(mode, p, factors, floats, int8=int8,
-                            float_macs=(total - sum(macs[k] for k in p)) / total)
-
-        order: list[str] = []
-        o = outcome(0)
-        o.calib = self.evaluate(o.plan, factors, self.calib, self.ref_calib)
-        if not budget.failures(o.calib):
-            o.held = self.evaluate(o.plan, factors, self.held, self.ref_held)
-            if not budget.failures(o.held):
-                o.ok = True
-                return o, ranking
-        if not self.opts.mixed or len(keys) < 2:
-            if o.held is None:
-                o.held = self.evaluate(o.plan, factors, self.held, self.ref_held)
-            return o, ranking
-        if ranking is None:
-            ranking = self.sensitivity(keys, plan, factors)
-            self.note("sensitivity (most sensitive first): " + ", ".join(ranking[:6])
-                       + (" ..." if len(ranking) > 6 else ""))
-        order = [k for k in ranking if k in plan]
-        last = 2 * len(order) - 1 if int4 else len(order) - 1
-        lo, hi, best, best_i = 1, last, None, 0
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            cand = outcome(mid)
-            cand.calib = self.evaluate(cand.plan, factors, self.calib, self.ref_calib)
-            if not budget.failures(cand.calib):
-                best, best_i, hi = cand, mid, mid - 1
-            else:
-                lo = mid + 1
-        if best is None:
-            o.held = self.evaluate(o.plan, factors, self.held, self.ref_held)
-            return o, ranking
-        # confirm on held-back feeds; move one more layer up the ladder while it fails there
-        i = best_i
-        while True:
-            best.held = self.evaluate(best.plan, factors, self.held, self.ref_held)
-            if not budget.failures(best.held) or i >= last:
-                best.ok = not budget.failures(best.held)
-                if best.ok and int4 and i > len(order):
-                    best = self.int4_back(best, order, i - len(order), plan, factors, mode)
-                return best, ranking
-            i += 1
-            prev_calib = best.calib
-            best = outcome(i)
-            best.calib = prev_calib
-            self.note(f"{mode}: budget held on calibration but not on held-back feeds; "
-                       f"{len(best.floats)} layers float, {len(best.int8)} int8")
-
-    def int4_back(self, best: _Outcome, order: list[str], j: int, plan: dict[str, QConfig],
-                  factors: dict[str, np.ndarray], mode: str) -> _Outcome:
-        """int4 with ``j`` layers float and the rest int8 meets the budget: give the least sensitive of
-        those int8 layers back to int4 (binary search on how many stay int8, confirmed on held-back feeds)."""
-        budget, macs, total = self.budget, self.macs, self.total_macs
-        rest = order[j:]
-
-        def cand(k: int) -> _Outcome:
-            floats, int8 = order[:j], rest[:k]
-            p = {key: v for key, v in plan.items() if key not in floats}
-            p.update({key: QConfig("dynamic") for key in int8})
-            return _Outcome(mode, p, factors, floats, int8=int8,
-                            float_macs=(total - sum(macs[key] for key in p)) / total)
-
-        lo, hi, found = 0, len(rest) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            c = cand(mid)
-            c.calib = self.evaluate(c.plan, factors, self.calib, self.ref_calib)
-            if not budget.failures(c.calib):
-                found, hi = c, mid - 1
-            else:
-                lo = mid + 1
-        if found is None:
-            return best
-        found.held = self.evaluate(found.plan, factors, self.held, self.ref_held)
-        if budget.failures(found.held):
-            return best
-        found.ok = True
-        self.note(f"{mode}: {len(rest) - len(found.int8)} of the int8 layers back to int4")
-        return found
-
-    def sensitivity(self, keys: list[str], plan: dict[str, QConfig], factors: dict[str, np.ndarray]) -> list[str]:
-        """Layer keys, most sensitive first."""
-        if self.ranking_by == "local":
-            ranking = self.local_sensitivity(keys, plan)
-            if ranking is not None:
-                return ranking
-        n = self.opts.sensitivity_feeds if self.opts.sensitivity_feeds > 0 else len(self.calib)
-        feeds, ref = self.calib[:n], self.ref_calib[:n]
-        err = {}
-        for k in keys:
-            c = self.evaluate({k: plan[k]}, factors, feeds, ref)
-            err[k] = (1.0 - c.worst("cosine")) + 0.25 * (1.0 - c.worst("cosine_min"))
-        return sorted(keys, key=lambda k: -err[k])
-
-    def local_sensitivity(self, keys: list[str], plan: dict[str, QConfig]) -> list[str] | None:
-        """Rank layers by their own relative output error on the sampled calibration rows (no sessions).
-
-        Each layer's error: the layer quantized as planned (its smoothing included) on its float inputs,
-        ``|x W - q(x) q(W)|^2 / |x W|^2`` (int4: ``|x W - x q4(W)|^2 / |x W|^2``, weight-only); an
-        embedding table's, ``|T - q(T)|^2 / |T|^2``. None when a layer has no sampled rows (then the
-        ``model`` ranking runs).
-        """
-        stats = self.stats
-        targets = {t.key: t for t in self.targets}
-        err = {}
-        for k in keys:
-            t, cfg = targets.get(k), plan[k]
-            if t is not None and cfg.mode == "gather":
-                w = t.weight_array
-                q, scale = qdq.quantize_weight(w, axis=1)
-                err[k] = float(np.sum((q * scale - w) ** 2) / max(float(np.sum(w * w)), 1e-12))
-                continue
-            st = stats.get(t.act.name) if t is not None and t.act is not None else None
-            if st is None or st.rows is None or cfg.mode not in ("dynamic", "static", "int4"):
-                return None
-            if cfg.mode == "int4":
-                from graphopt.rewrites.quantize.int4 import dequant_int4, rtn_int4
-
-                w = t.weight_array
-                q, scales = cfg.int4_q if cfg.int4_q is not None else rtn_int4(w, cfg.block_size)
-                ref = st.rows @ w
-                got = st.rows @ dequant_int4(q, scales, cfg.block_size, w.shape[0])
-                err[k] = float(np.sum((got - ref) ** 2) / max(float(np.sum(ref * ref)), 1e-12))
-                continue
-            s = cfg.smooth
-            act = cfg.act_range if cfg.mode == "static" else None
-            err[k] = smooth_mod.local_error(st.rows, t.weight_array, s, act, cfg.act_type)
-        return sorted(keys, key=lambda k: -err[k])
 
 
 def quantize_model(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]], *, budget: str | None = None,

@@ -1,14 +1,4 @@
-"""Quantization targets and their integer replacements (used by the ``quantize`` pass).
-
-A *target* is a node whose float weight can be stored in 8 (or 4) bits:
-
-- ``MatMul(x, W)`` with a constant 2-D ``W`` (optionally followed by ``Add(·, b)`` with a constant
-  ``b`` of length N, folded in as the bias; or by ``com.microsoft::BiasGelu(·, b)``, whose ``b`` is folded
-  in likewise and which becomes ``com.microsoft::Gelu``: the integer op adds the bias in its output
-  stage, and ORT's CPU Gelu is ~1.8x faster than BiasGelu, bit-identical; or by a ``Sum(·, r, b)``
-  of three or more operands with one constant ``b`` of length N, folded in and dropped from the Sum);
-- ``com.microsoft::Attention(x, W_qkv, b_qkv, mask)`` (the fused form; becomes ``QAttention``);
-- ``Gather(table, ids)`` with a constant 2-D float table (embeddings; only when asked).
+"""Integer replacements of quantization targets (:mod:`.targets`), used by the ``quantize`` pass.
 
 Replacements, per target and per format::
 
@@ -30,189 +20,15 @@ QAttention's default and are dropped), QDQ below opset 13.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN, default_opset
+from graphopt.rewrites.quantize.numeric import act_qparams, quantize_weight
+from graphopt.rewrites.quantize.targets import QConfig, Target, const_array, sum_bias_index
 from graphopt.runtime.contrib import attention_inputs
-
-
-@dataclasses.dataclass
-class Target:
-    """One quantizable node, identified by ``key`` (stable across clones of a model)."""
-
-    key: str
-    kind: str  # "matmul" | "attention" | "gather" | "embed_table"
-    node: ir.Node
-    act: ir.Value | None  # float activation input (None for gather)
-    weight: ir.Value
-    bias_add: ir.Node | None = None  # Add folded into the integer op
-    bias_gelu: ir.Node | None = None  # BiasGelu whose bias is folded into the integer op (then plain Gelu)
-    bias_sum: ir.Node | None = None  # Sum(y, ..., b): its constant b is folded into the integer op
-
-    @property
-    def weight_array(self) -> np.ndarray:
-        """The float weight. One in external data is copied out and its file unmapped again: pages
-        of a mapping count in the resident memory once read, so a pass reading every weight would
-        otherwise end up holding the whole model."""
-        tensor = self.weight.const_value
-        if isinstance(tensor, ir.ExternalTensor):
-            arr = np.array(tensor.numpy())
-            release(tensor)
-            return arr
-        return tensor.numpy()
-
-    @property
-    def macs_per_row(self) -> int:
-        w = self.weight.shape
-        if self.kind in ("gather", "embed_table"):
-            return 0
-        return int(w[0]) * int(w[1]) if w is not None and len(w) == 2 else 0
-
-
-@dataclasses.dataclass
-class QConfig:
-    """How to quantize one target."""
-
-    mode: str  # "dynamic" | "static" | "int4" | "gather"
-    act_range: tuple[float, float] | None = None  # static: calibrated (min, max)
-    act_type: str = "u8"  # "u8" | "s8"
-    fmt: str = "qop"  # "qop" | "qdq"
-    smooth: np.ndarray | None = None  # SmoothQuant: W rows *= smooth (x /= smooth is done upstream)
-    block_size: int = 32
-    accuracy_level: int = 4
-    int4_q: tuple[np.ndarray, np.ndarray] | None = None  # GPTQ result: (q uint8 [K,N] in 0..15, scales [nb,N])
-    whole_table_dq: bool = True  # embed_table: dequantize the whole table per run when it cannot be unfused
-
-
-def _const(v: ir.Value | None) -> np.ndarray | None:
-    if v is None or v.const_value is None:
-        return None
-    try:
-        return v.const_value.numpy()
-    except Exception:  # noqa: BLE001 - unreadable external data etc.
-        return None
-
-
-def _is_float(v: ir.Value | None) -> bool:
-    return v is not None and v.dtype in (ir.DataType.FLOAT, None)
-
-
-def _key(node: ir.Node) -> str:
-    return node.name or f"{node.op_type}:{node.outputs[0].name}"
-
-
-def _plain_qkv(node: ir.Node, warr: np.ndarray) -> bool:
-    """Attention that QAttention can run: no rotary width, and no ``qkv_hidden_sizes`` beyond equal thirds."""
-    a = node.attributes
-    if "rotary_embedding_dim" in a and a["rotary_embedding_dim"].value:
-        return False
-    if "qkv_hidden_sizes" in a:
-        sizes = list(a["qkv_hidden_sizes"].value)
-        if len(sizes) != 3 or len(set(sizes)) != 1 or sum(sizes) != warr.shape[1]:
-            return False
-    return True
-
-
-def find_targets(model: ir.Model, *, embeddings: bool = False) -> list[Target]:
-    """Quantizable nodes of the main graph, in graph order."""
-    out: list[Target] = []
-    for node in model.graph:
-        if node.op_type == "MatMul" and node.domain == "":
-            x, w = node.inputs[0], node.inputs[1]
-            warr = _const(w)
-            if warr is None or warr.ndim != 2 or warr.dtype != np.float32 or _const(x) is not None:
-                continue
-            if not _is_float(x) or x is None:
-                continue
-            bias_add = bias_gelu = bias_sum = None
-            y = node.outputs[0]
-            uses = list(y.uses())
-            if len(uses) == 1 and not y.is_graph_output():
-                user, idx = uses[0]
-                if user.op_type == "Add" and user.domain == "" and len(user.inputs) == 2:
-                    b = _const(user.inputs[1 - idx])
-                    if b is not None and b.dtype == np.float32 and b.shape == (warr.shape[1],):
-                        bias_add = user
-                elif user.op_type == "BiasGelu" and user.domain == MS_DOMAIN and idx == 0 and len(user.inputs) == 2:
-                    b = _const(user.inputs[1])
-                    if b is not None and b.dtype == np.float32 and b.shape == (warr.shape[1],):
-                        bias_gelu = user
-                elif user.op_type == "Sum" and user.domain == "" and _sum_bias(user, idx, warr.shape[1]) is not None:
-                    bias_sum = user
-            out.append(Target(_key(node), "matmul", node, x, w, bias_add, bias_gelu, bias_sum))
-        elif node.op_type == "Attention" and node.domain == MS_DOMAIN:
-            a = attention_inputs(node)
-            warr = _const(a.weights)
-            if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
-                continue
-            if a.past_state or a.attention_bias is not None or not _plain_qkv(node, warr):
-                continue
-            if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
-                continue
-            out.append(Target(_key(node), "attention", node, a.input, a.weights))
-        elif embeddings and node.op_type == "Gather" and node.domain == "":
-            warr = _const(node.inputs[0])
-            if warr is None or warr.ndim != 2 or warr.dtype != np.float32 or warr.shape[0] < 2:
-                continue
-            if node.attributes.get_int("axis", 0) != 0:
-                continue
-            out.append(Target(_key(node), "gather", node, None, node.inputs[0]))
-        elif embeddings and node.op_type == "EmbedLayerNormalization" and node.domain == MS_DOMAIN:
-            warr = _const(node.inputs[2]) if len(node.inputs) > 2 else None
-            if warr is None or warr.ndim != 2 or warr.dtype != np.float32:
-                continue
-            out.append(Target(_key(node), "embed_table", node, None, node.inputs[2]))
-    return out
-
-
-# ------------------------------------------------------------------ numeric helpers
-
-
-#: weights with more elements are quantized in blocks of columns (the same numbers, bounded temporaries)
-BLOCK_ELEMENTS = 1 << 22
-
-
-def quantize_weight(w: np.ndarray, axis: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel symmetric int8 along ``axis`` (the output columns of a [K, N] weight)."""
-    if w.ndim == 2 and axis == 1 and w.size > BLOCK_ELEMENTS:
-        step = max(1, BLOCK_ELEMENTS // w.shape[0])
-        q, scale = np.empty(w.shape, np.int8), np.empty(w.shape[1], np.float32)
-        for c in range(0, w.shape[1], step):
-            q[:, c:c + step], scale[c:c + step] = quantize_weight(w[:, c:c + step], axis)
-        return q, scale
-    red = tuple(i for i in range(w.ndim) if i != axis)
-    amax = np.max(np.abs(w), axis=red)
-    scale = np.maximum(amax / 127.0, 1e-12).astype(np.float32)
-    shape = [1] * w.ndim
-    shape[axis] = -1
-    q = np.clip(np.rint(w / scale.reshape(shape)), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def act_qparams(lo: float, hi: float, act_type: str) -> tuple[np.float32, np.ndarray]:
-    """(scale, zero point) for an activation range; u8 asymmetric or s8 symmetric."""
-    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
-    if act_type == "s8":
-        scale = max(max(-lo, hi) / 127.0, 1e-8)
-        return np.float32(scale), np.array(0, dtype=np.int8)
-    scale = max((hi - lo) / 255.0, 1e-8)
-    zp = int(np.clip(np.rint(-lo / scale), 0, 255))
-    return np.float32(scale), np.array(zp, dtype=np.uint8)
-
-
-def fake_quant_act(x: np.ndarray, lo: float | None, hi: float | None, act_type: str = "u8") -> np.ndarray:
-    """Quantize-dequantize an activation (dynamic range when ``lo``/``hi`` are None)."""
-    if lo is None or hi is None:
-        lo, hi = float(x.min()), float(x.max())
-    s, zp = act_qparams(lo, hi, act_type)
-    z = float(zp)
-    qmin, qmax = (-127, 127) if act_type == "s8" else (0, 255)
-    return ((np.clip(np.rint(x / s) + z, qmin, qmax) - z) * s).astype(np.float32)
-
 
 # ------------------------------------------------------------------ rewriting
 
@@ -292,15 +108,6 @@ def _quantize_activation(b: _Builder, t: Target, cfg: QConfig, anchor: ir.Node) 
     return b.shared_q[key]
 
 
-def release(tensor) -> None:
-    """Unmap a tensor read from external data (mapped again if read again): pages of a mapping count
-    in the resident memory once touched."""
-    if isinstance(tensor, ir.ExternalTensor):
-        try:
-            tensor.release()
-        except BufferError:  # an array still views the mapping: leave it mapped
-            pass
-
 
 def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -> dict[str, int]:
     """Rewrite every target in ``plan`` in place; returns op-type -> count of created integer ops."""
@@ -347,20 +154,20 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
         bias = None
         if t.bias_add is not None:
             bias_in = [v for v in t.bias_add.inputs if v is not node.outputs[0]][0]
-            bias = _const(bias_in)
+            bias = const_array(bias_in)
         # BiasGelu: its bias goes into the integer op (not in QDQ form: that keeps MatMul + BiasGelu)
         gelu = t.bias_gelu if t.bias_gelu is not None and (cfg.mode in ("int4", "dynamic") or cfg.fmt != "qdq") \
             else None
         if gelu is not None:
-            bias = _const(gelu.inputs[1])
+            bias = const_array(gelu.inputs[1])
         # Sum(y, residual, b): b goes into the integer op too (a 2-input Sum is ~20% cheaper; measured)
         sum_node, sum_bias = None, None
         if t.bias_sum is not None and gelu is None and t.bias_add is None and \
                 (cfg.mode in ("int4", "dynamic") or cfg.fmt != "qdq"):
             y_at = [i for i, v in enumerate(t.bias_sum.inputs) if v is node.outputs[0]]
-            sum_bias = _sum_bias(t.bias_sum, y_at[0], w.shape[1]) if len(y_at) == 1 else None
+            sum_bias = sum_bias_index(t.bias_sum, y_at[0], w.shape[1]) if len(y_at) == 1 else None
             if sum_bias is not None:
-                sum_node, bias = t.bias_sum, _const(t.bias_sum.inputs[sum_bias])
+                sum_node, bias = t.bias_sum, const_array(t.bias_sum.inputs[sum_bias])
         out_node = t.bias_add if t.bias_add is not None else node
         if cfg.mode == "int4":
             new = _int4_node(b, t, cfg, w, bias, pre)
@@ -437,19 +244,6 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             del g.initializers[name]
     return counts
 
-
-def _sum_bias(node: ir.Node, idx: int, n: int) -> int | None:
-    """The input index of the one constant ``[n]`` float operand of ``Sum`` (read by it alone), when the Sum
-    keeps at least two other operands; else None."""
-    if len(node.inputs) < 3:
-        return None
-    found = [i for i, v in enumerate(node.inputs) if i != idx and _const(v) is not None]
-    if len(found) != 1:
-        return None
-    v = node.inputs[found[0]]
-    b = _const(v)
-    ok = b.dtype == np.float32 and b.shape == (n,) and len(v.uses()) == 1 and not v.is_graph_output()
-    return found[0] if ok else None
 
 
 def _drop_sum_input(b: _Builder, node: ir.Node, index: int) -> None:

@@ -1,4 +1,4 @@
-"""Tests of _quant_qdq: quantization targets, the numeric helpers, and each integer replacement in ORT."""
+"""Tests of qdq and targets: quantization targets, the numeric helpers, and each integer replacement in ORT."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from testmodels import make_shared_matmuls
 
 from graphopt.opsets import MS_DOMAIN
-from graphopt.rewrites.quantize import int4, qdq
+from graphopt.rewrites.quantize import int4, numeric, qdq
+from graphopt.rewrites.quantize import targets as targets_mod
 from graphopt.runtime.session import make_session, run
 
 RNG = np.random.default_rng(3)
@@ -30,7 +31,7 @@ def _ops(model: ir.Model) -> collections.Counter:
 
 
 def test_find_targets_matmuls_with_their_bias():
-    targets = qdq.find_targets(_model())
+    targets = targets_mod.find_targets(_model())
     assert [(t.key, t.kind, t.act.name, t.weight.name) for t in targets] == [
         ("mm1", "matmul", "a", "w1"), ("mm2", "matmul", "a", "w2")]
     assert targets[0].bias_add.name == "add1" and targets[1].bias_add is None
@@ -44,36 +45,36 @@ def test_find_targets_refusals():
     neg = ir.node("Neg", [w2], name="neg")
     model.graph.insert_before(model.graph.node("mm2"), neg)
     model.graph.node("mm2").replace_input_with(1, neg.outputs[0])
-    assert [t.key for t in qdq.find_targets(model)] == ["mm1"]
+    assert [t.key for t in targets_mod.find_targets(model)] == ["mm1"]
     model.graph.initializers["w1"].const_value = ir.tensor(np.ones((8, 16), np.float64), name="w1")
-    assert qdq.find_targets(model) == []
+    assert targets_mod.find_targets(model) == []
 
 
 def test_quantize_weight_per_column():
     w = RNG.standard_normal((8, 3)).astype(np.float32)
-    q, scale = qdq.quantize_weight(w)
+    q, scale = numeric.quantize_weight(w)
     assert q.dtype == np.int8 and np.abs(q).max() == 127
     np.testing.assert_allclose(scale, np.abs(w).max(axis=0) / 127, rtol=1e-6)
     assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-7)
 
 
 def test_act_qparams_and_fake_quant():
-    s, zp = qdq.act_qparams(-1.0, 3.0, "u8")
+    s, zp = numeric.act_qparams(-1.0, 3.0, "u8")
     assert s == pytest.approx(4 / 255) and zp.dtype == np.uint8 and int(zp) == 64
-    s8, zp8 = qdq.act_qparams(-1.0, 3.0, "s8")
+    s8, zp8 = numeric.act_qparams(-1.0, 3.0, "s8")
     assert s8 == pytest.approx(3 / 127) and zp8.dtype == np.int8 and int(zp8) == 0
-    assert qdq.act_qparams(0.5, 2.0, "u8")[1] == 0  # the range always includes 0
+    assert numeric.act_qparams(0.5, 2.0, "u8")[1] == 0  # the range always includes 0
     x = RNG.uniform(-1, 3, 1000).astype(np.float32)
-    assert np.abs(qdq.fake_quant_act(x, -1.0, 3.0) - x).max() <= s / 2 + 1e-6
-    clipped = qdq.fake_quant_act(np.array([10.0], np.float32), -1.0, 3.0)
+    assert np.abs(numeric.fake_quant_act(x, -1.0, 3.0) - x).max() <= s / 2 + 1e-6
+    clipped = numeric.fake_quant_act(np.array([10.0], np.float32), -1.0, 3.0)
     assert clipped[0] == pytest.approx((255 - 64) * s)  # outside the range: clipped to the top level
 
 
-def _apply(cfg: qdq.QConfig) -> tuple[ir.Model, dict[str, int], dict, dict]:
+def _apply(cfg: targets_mod.QConfig) -> tuple[ir.Model, dict[str, int], dict, dict]:
     model = _model()
     want = _outputs(model)
     plan = {"mm1": cfg, "mm2": cfg}
-    counts = qdq.apply(model, qdq.find_targets(model), plan)
+    counts = qdq.apply(model, targets_mod.find_targets(model), plan)
     return model, counts, want, _outputs(model)
 
 
@@ -84,7 +85,7 @@ def _close(got, want, tol):
 
 
 def test_dynamic_qop():
-    model, counts, want, got = _apply(qdq.QConfig(mode="dynamic"))
+    model, counts, want, got = _apply(targets_mod.QConfig(mode="dynamic"))
     assert counts == {"DynamicQuantizeMatMul": 2}
     ops = _ops(model)
     assert ops[(MS_DOMAIN, "DynamicQuantizeMatMul")] == 2 and ("", "MatMul") not in ops and ("", "Add") not in ops
@@ -96,7 +97,7 @@ def test_dynamic_qop():
 @pytest.mark.parametrize(("fmt", "op"), [("qop", (MS_DOMAIN, "MatMulIntegerToFloat")), ("qdq", ("", "MatMul"))])
 def test_static_shares_one_quantize_linear(fmt, op):
     a = X * np.array([20.0] + [1.0] * 7, np.float32)
-    cfg = qdq.QConfig(mode="static", act_range=(float(a.min()), float(a.max())), fmt=fmt)
+    cfg = targets_mod.QConfig(mode="static", act_range=(float(a.min()), float(a.max())), fmt=fmt)
     model, counts, want, got = _apply(cfg)
     ops = _ops(model)
     assert ops[("", "QuantizeLinear")] == 1 and ops[op] == 2
@@ -106,7 +107,7 @@ def test_static_shares_one_quantize_linear(fmt, op):
 
 def test_int4_matches_the_dequantized_weight():
     """MatMulNBits at accuracy level 0 computes in float: x @ dequant(q) exactly (to float rounding)."""
-    cfg = qdq.QConfig(mode="int4", block_size=16, accuracy_level=0)
+    cfg = targets_mod.QConfig(mode="int4", block_size=16, accuracy_level=0)
     model, counts, want, got = _apply(cfg)
     assert counts == {"MatMulNBits": 2} and _ops(model)[(MS_DOMAIN, "MatMulNBits")] == 2
     src = _model().graph.initializers
@@ -118,10 +119,10 @@ def test_int4_matches_the_dequantized_weight():
 
 def test_smooth_scales_the_weight_rows():
     """QConfig.smooth multiplies W's rows (the activation is divided upstream): here by 1, so no change."""
-    cfg = qdq.QConfig(mode="dynamic", smooth=np.ones(8, np.float32))
+    cfg = targets_mod.QConfig(mode="dynamic", smooth=np.ones(8, np.float32))
     _, _, want, got = _apply(cfg)
     _close(got, want, 0.03)
-    cfg = qdq.QConfig(mode="dynamic", smooth=np.full(8, 2.0, np.float32))
+    cfg = targets_mod.QConfig(mode="dynamic", smooth=np.full(8, 2.0, np.float32))
     _, _, want, got = _apply(cfg)
     _close({"z": got["z"]}, {"z": 2 * want["z"]}, 0.03)
 
@@ -152,15 +153,15 @@ def _matmul_biasgelu() -> ir.Model:
 
 
 @pytest.mark.parametrize("cfg", [
-    qdq.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
-    qdq.QConfig(mode="dynamic"),
-    qdq.QConfig(mode="int4", block_size=16, accuracy_level=0),
+    targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
+    targets_mod.QConfig(mode="dynamic"),
+    targets_mod.QConfig(mode="int4", block_size=16, accuracy_level=0),
 ], ids=["static", "dynamic", "int4"])
 def test_biasgelu_bias_goes_into_the_integer_op(cfg):
     """MatMul -> BiasGelu: the bias moves into the integer op and BiasGelu becomes Gelu, with the same
     outputs as leaving BiasGelu after the integer op (the fold is exact)."""
     model = _matmul_biasgelu()
-    targets = qdq.find_targets(model)
+    targets = targets_mod.find_targets(model)
     assert targets[0].bias_gelu is not None and targets[0].bias_gelu.name == "bg"
     counts = qdq.apply(model, targets, {"mm": cfg})
     ops = _ops(model)
@@ -171,7 +172,7 @@ def test_biasgelu_bias_goes_into_the_integer_op(cfg):
     got = run(make_session(model, optimize=False), [{"x": X}])[0]["y"]
     # reference: the same quantization with BiasGelu left in place
     unfolded = _matmul_biasgelu()
-    t = qdq.find_targets(unfolded)
+    t = targets_mod.find_targets(unfolded)
     t[0].bias_gelu = None
     qdq.apply(unfolded, t, {"mm": cfg})
     assert _ops(unfolded)[(MS_DOMAIN, "BiasGelu")] == 1
@@ -181,8 +182,8 @@ def test_biasgelu_bias_goes_into_the_integer_op(cfg):
 
 def test_biasgelu_stays_in_qdq_form():
     model = _matmul_biasgelu()
-    cfg = qdq.QConfig(mode="static", act_range=(float(X.min()), float(X.max())), fmt="qdq")
-    qdq.apply(model, qdq.find_targets(model), {"mm": cfg})
+    cfg = targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max())), fmt="qdq")
+    qdq.apply(model, targets_mod.find_targets(model), {"mm": cfg})
     ops = _ops(model)
     assert ops[(MS_DOMAIN, "BiasGelu")] == 1 and ops[("", "MatMul")] == 1 and (MS_DOMAIN, "Gelu") not in ops
 
@@ -197,11 +198,11 @@ def test_gathered_rows_are_dequantized_by_cast_and_mul():
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 8])],
                           [numpy_helper.from_array(table, "t")])
     model = ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
-    qdq.apply(model, qdq.find_targets(model, embeddings=True), {"emb": qdq.QConfig("gather")})
+    qdq.apply(model, targets_mod.find_targets(model, embeddings=True), {"emb": targets_mod.QConfig("gather")})
     assert [n.op_type for n in model.graph] == ["Gather", "Cast", "Mul"]
     ids = np.array([[0, 3, 9], [1, 1, 2]], np.int64)
     got = run(make_session(model, optimize=False), [{"ids": ids}])[0]["y"]
-    q, s = qdq.quantize_weight(table, axis=1)
+    q, s = numeric.quantize_weight(table, axis=1)
     np.testing.assert_array_equal(got, q[ids].astype(np.float32) * s)
 
 
@@ -214,12 +215,12 @@ def _matmul_sum() -> ir.Model:
 
 
 @pytest.mark.parametrize("cfg", [
-    qdq.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
-    qdq.QConfig(mode="dynamic"),
+    targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
+    targets_mod.QConfig(mode="dynamic"),
 ], ids=["static", "dynamic"])
 def test_residual_sum_bias_goes_into_the_integer_op(cfg):
     model = _matmul_sum()
-    targets = qdq.find_targets(model)
+    targets = targets_mod.find_targets(model)
     assert targets[0].bias_sum is not None and targets[0].bias_sum.name == "res"
     counts = qdq.apply(model, targets, {"mm": cfg})
     assert counts["Sum bias->integer op"] == 1
@@ -228,7 +229,7 @@ def test_residual_sum_bias_goes_into_the_integer_op(cfg):
     feed = {"x": X, "r": RNG.standard_normal((2, 5, 16)).astype(np.float32)}
     got = run(make_session(model, optimize=False), [feed])[0]["y"]
     unfolded = _matmul_sum()
-    t = qdq.find_targets(unfolded)
+    t = targets_mod.find_targets(unfolded)
     t[0].bias_sum = None
     qdq.apply(unfolded, t, {"mm": cfg})
     assert len(next(n for n in unfolded.graph if n.op_type == "Sum").inputs) == 3

@@ -33,7 +33,8 @@ import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites.common.activations import Stats
-from graphopt.rewrites.quantize.qdq import BLOCK_ELEMENTS, Target, fake_quant_act, quantize_weight
+from graphopt.rewrites.quantize.numeric import BLOCK_ELEMENTS, fake_quant_act, quantize_weight
+from graphopt.rewrites.quantize.targets import Target
 from graphopt.runtime.contrib import attention_inputs
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85)
@@ -121,7 +122,7 @@ def _only_read_by(v: ir.Value, nodes: set[int]) -> bool:
 def apply_smoothing(model: ir.Model, targets: list[Target], factors: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Divide each smoothed activation by its factors (fold or Mul); updates ``Target.act``.
 
-    ``factors`` maps activation value name -> s. Weight scaling happens in ``_quant_qdq.apply``
+    ``factors`` maps activation value name -> s. Weight scaling happens in ``qdq.apply``
     (QConfig.smooth). Returns the counts of each way used.
     """
     g = model.graph

@@ -10,7 +10,8 @@ import pytest
 from testmodels import make_shared_matmuls
 
 from graphopt.rewrites.common import activations as calib
-from graphopt.rewrites.quantize import qdq, smooth
+from graphopt.rewrites.quantize import smooth
+from graphopt.rewrites.quantize import targets as targets_mod
 from graphopt.runtime.session import make_session, run
 
 RNG = np.random.default_rng(4)
@@ -40,7 +41,7 @@ def test_smooth_factors_formula_and_clip():
 def test_smoothing_lowers_the_error_of_an_outlier_channel():
     model = ir.serde.deserialize_model(make_shared_matmuls())
     stats = _stats(model)
-    group = [t for t in qdq.find_targets(model) if t.act.name == "a"]
+    group = [t for t in targets_mod.find_targets(model) if t.act.name == "a"]
     w = group[0].weight_array
     s, alpha = smooth.choose(stats, group, "auto", static=False)
     assert alpha in smooth.ALPHAS
@@ -62,10 +63,10 @@ def _smooth(layernorm: bool, ln_is_output: bool = False):
     if ln_is_output:
         model.graph.outputs.append(model.graph.node("ln").outputs[0])
     want = _outputs(model)
-    targets = qdq.find_targets(model)
+    targets = targets_mod.find_targets(model)
     s = np.linspace(0.5, 4.0, 8).astype(np.float32)
     counts = smooth.apply_smoothing(model, targets, {"a": s})
-    for t in targets:  # what _quant_qdq.apply does with QConfig.smooth
+    for t in targets:  # what qdq.apply does with QConfig.smooth
         t.weight.const_value = ir.tensor(t.weight_array * s.reshape(-1, 1), name=t.weight.name)
     return model, targets, counts, want, s
 
@@ -156,7 +157,7 @@ def _grouped_attention(shared_bias_reader: bool = False, onnx_attention: bool = 
 def test_folded_into_grouped_attention_values(shared, onnx_attention):
     model, feed = _grouped_attention(shared_bias_reader=shared, onnx_attention=onnx_attention)
     want = run(make_session(model, optimize=False), [feed])[0]
-    targets = [t for t in qdq.find_targets(model) if t.key == "mm_o"]
+    targets = [t for t in targets_mod.find_targets(model) if t.key == "mm_o"]
     s = np.linspace(0.5, 4.0, 8).astype(np.float32)
     counts = smooth.apply_smoothing(model, targets, {"a": s})
     targets[0].weight.const_value = ir.tensor(targets[0].weight_array * s.reshape(-1, 1), name="wo")

@@ -107,7 +107,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class RemovePadding(GraphoptPass):
+class RemovePaddingPass(GraphoptPass):
     """Run token-wise ops on packed real tokens; only attention sees padding (exact on real tokens)."""
 
     name = "remove-padding"
@@ -206,7 +206,7 @@ def resolve_attention_op(attention_op: str, ort_version: str | None = None) -> s
 
 def _refused(model: ir.Model, reason: str) -> PassResult:
     note = f"not applied: {reason}"
-    logger.info("%s: %s", RemovePadding.name, note)
+    logger.info("%s: %s", RemovePaddingPass.name, note)
     return PassResult(model, False, notes=[note])
 
 
@@ -244,4 +244,4 @@ def _has_subgraphs(graph: ir.Graph) -> bool:
     )
 
 
-register(RemovePadding)
+register(RemovePaddingPass)

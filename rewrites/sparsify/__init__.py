@@ -24,14 +24,14 @@ column has its own mask (2:4, unstructured) one solve per column while a column 
 ``EXACT_MAX_ROWS`` (512) rows, else the SparseGPT sequential update (OBS with the mask fixed, lazy batches:
 cheaper, but on a correlated toy it removed 7% of the error where exact solves removed 36%).
 
-Budget: ``ctx.budget`` (default ``cosine>=0.99,cosine_min>=0.97``). Per-layer sparsity: every layer starts
+Budget: ``ctx.budget`` (default ``metrics.DEFAULT_BUDGET``), searched and confirmed by ``common.lossy``. Per-layer sparsity: every layer starts
 at the pattern's sparsest level; the layer with the largest local error (relative error of its FFN output on
 calibration tokens) is stepped down one level at a time, making a ladder from sparsest to dense; a binary
 search (quality assumed monotone along the ladder) finds the sparsest rung that meets the budget on the
 calibration feeds and then on the held-back feeds (``ctx.feeds``). Both measurements of every rung tried
 go to the notes. The held-back ``cosine`` that must meet the budget is a one-sided lower confidence bound
 (``confidence=``, default 0.95; 0: the plain mean) of the mean token cosine, sentences (batch rows) as the
-units (``_ffn.cosine_lower_bound``): a plan that just scrapes past the budget on a few held-back batches
+units (``common.bounds.cosine_lower_bound``): a plan that just scrapes past the budget on a few held-back batches
 missed it on unseen sentences (0.9903 held back, 0.9899 unseen, docs/benchmarks.md). With an explicit
 ``sparsity=``
 every FFN gets that sparsity and the cost is reported (with a budget that it breaks, the model is kept).
@@ -47,23 +47,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
-from graphopt.data.feeds import calibration_feeds
-from graphopt.data.metrics import Budget, Comparison, compare, parse_budget
+from graphopt.data.metrics import DEFAULT_BUDGET, Comparison
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
 from graphopt.rewrites.common import ffn as _ffn
-from graphopt.rewrites.common.budget import share
+from graphopt.rewrites.common import lossy
+from graphopt.rewrites.sparsify.weights import (
+    EXACT_MAX_ROWS,
+    block_mask,
+    column_mask,
+    lstsq_columns,
+    lstsq_groups,
+    nm_mask,
+    sparsegpt,
+)
 from graphopt.runtime import custom_ops, standins
 from graphopt.runtime import session as runtime
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUDGET = "cosine>=0.99,cosine_min>=0.97"
 PATTERNS = ("auto", "neurons", "blocks", "2:4", "unstructured")
 #: the sparsity levels the budget search walks, sparsest first (blocks below 75% are no faster than dense:
 #: tools/bench_sparse_gemm.py)
@@ -83,110 +90,6 @@ class _Layer:
     keep1: np.ndarray | None = None  # block / n:m / element masks
     keep2: np.ndarray | None = None
     local_error: float = 0.0
-
-
-def _damped(g: np.ndarray, damp: float) -> np.ndarray:
-    g = g.copy()
-    d = np.diag(g)
-    g[np.diag_indices_from(g)] += damp * (float(d.mean()) if d.size else 1.0) + 1e-12
-    return g
-
-
-def lstsq_groups(w: np.ndarray, g: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray]],
-                 damp: float) -> np.ndarray:
-    """Re-fit ``w[K, N]``: for each (kept rows, columns) group, ``min ‖X_S w'_S − X w‖`` given ``G = XᵀX``."""
-    gd = _damped(g, damp)
-    out = np.zeros_like(w, dtype=np.float64)
-    for rows, cols in groups:
-        rhs = g[rows] @ w[:, cols].astype(np.float64)
-        out[np.ix_(rows, cols)] = np.linalg.solve(gd[np.ix_(rows, rows)], rhs)
-    return out.astype(np.float32)
-
-
-def sparsegpt(w: np.ndarray, keep: np.ndarray, g: np.ndarray, damp: float, batch: int = 128) -> np.ndarray:
-    """SparseGPT's sequential OBS update of ``w[K, N]`` (input rows K) for a fixed mask ``keep``."""
-    k = w.shape[0]
-    h = _damped(g, damp)
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper
-    wf = w.astype(np.float64).copy()
-    for i1 in range(0, k, batch):
-        i2 = min(i1 + batch, k)
-        blk = wf[i1:i2].copy()
-        err = np.zeros_like(blk)
-        hb = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            q = blk[i] * keep[i1 + i]
-            e = (blk[i] - q) / hb[i, i]
-            blk[i:] -= np.outer(hb[i, i:], e)
-            blk[i] = q
-            err[i] = e
-        wf[i1:i2] = blk
-        wf[i2:] -= hinv[i1:i2, i2:].T @ err
-    return (wf * keep).astype(np.float32)
-
-
-def lstsq_columns(w: np.ndarray, keep: np.ndarray, g: np.ndarray, damp: float, chunk: int = 64) -> np.ndarray:
-    """Exact least-squares re-fit of every column of ``w`` on its own kept rows (batched solves)."""
-    gd = _damped(g, damp)
-    out = np.zeros(w.shape, np.float64)
-    kept = int(keep[:, 0].sum())
-    if not np.all(keep.sum(axis=0) == kept):
-        raise ValueError("every column must keep the same number of rows")
-    rows = np.sort(np.argsort(~keep, axis=0, kind="stable")[:kept], axis=0).T  # [N, kept]
-    for c0 in range(0, w.shape[1], chunk):
-        r = rows[c0:c0 + chunk]
-        a = gd[r[:, :, None], r[:, None, :]]                                   # [c, kept, kept]
-        rhs = np.einsum("ckj,jc->ck", g[r], w[:, c0:c0 + chunk].astype(np.float64))
-        sol = np.linalg.solve(a, rhs[..., None])[..., 0]
-        np.put_along_axis(out[:, c0:c0 + chunk], r.T, sol.T, axis=0)
-    return out.astype(np.float32)
-
-
-#: above this many kept rows per column, per-column exact solves cost too much: SparseGPT's update instead
-EXACT_MAX_ROWS = 512
-
-
-def _elem_scores(w: np.ndarray, g: np.ndarray | None, scores: str) -> np.ndarray:
-    s = np.abs(w).astype(np.float64)
-    if scores == "wanda" and g is not None:
-        s *= np.sqrt(np.maximum(np.diag(g), 0))[:, None]
-    return s
-
-
-def block_mask(w: np.ndarray, g: np.ndarray | None, level: float, block: int, scores: str,
-               cols: int | None = None) -> np.ndarray:
-    """Balanced block mask ``[K/b, N/bn]`` (``bn = cols``, default ``b``): every output block column keeps its
-    top input blocks."""
-    k, n = w.shape
-    bn = cols or block
-    s = _elem_scores(w, g, scores) ** 2
-    bs = s.reshape(k // block, block, n // bn, bn).sum(axis=(1, 3))
-    kept = max(1, round((k // block) * (1 - level)))
-    order = np.argsort(-bs, axis=0, kind="stable")[:kept]
-    keep = np.zeros_like(bs, dtype=bool)
-    np.put_along_axis(keep, order, True, axis=0)
-    return keep
-
-
-def nm_mask(w: np.ndarray, g: np.ndarray | None, scores: str, n: int = 2, m: int = 4) -> np.ndarray:
-    """n:m mask along K (the top ``n`` scores of every ``m`` consecutive input rows, per column)."""
-    k, cols = w.shape
-    s = _elem_scores(w, g, scores).reshape(k // m, m, cols)
-    order = np.argsort(-s, axis=1, kind="stable")[:, :n, :]
-    keep = np.zeros_like(s, dtype=bool)
-    np.put_along_axis(keep, order, True, axis=1)
-    return keep.reshape(k, cols)
-
-
-def column_mask(w: np.ndarray, g: np.ndarray | None, level: float, scores: str) -> np.ndarray:
-    """Unstructured: each output column keeps its top ``(1 - level) K`` weights (Wanda's comparison group)."""
-    k = w.shape[0]
-    s = _elem_scores(w, g, scores)
-    kept = max(1, round(k * (1 - level)))
-    order = np.argsort(-s, axis=0, kind="stable")[:kept]
-    keep = np.zeros_like(s, dtype=bool)
-    np.put_along_axis(keep, order, True, axis=0)
-    return keep
 
 
 class SparsifyPass(GraphoptPass):
@@ -238,15 +141,8 @@ class _Run:
     opts: SparsifyPass
     model: ir.Model
     ctx: PassContext
-    notes: list[str] = dataclasses.field(default_factory=list)
     cache: dict = dataclasses.field(default_factory=dict)
     table: list[str] = dataclasses.field(default_factory=list)
-    #: id of a held-back comparison (cosine: the lower bound) -> the plain mean cosine
-    plain: dict[int, float] = dataclasses.field(default_factory=dict)
-
-    def note(self, msg: str) -> None:
-        logger.info("sparsify: %s", msg)
-        self.notes.append(msg)
 
     # ------------------------------------------------------------ pruning one layer
 
@@ -368,24 +264,17 @@ class _Run:
 
     # ------------------------------------------------------------ measuring
 
-    def evaluate(self, plan: Mapping[int, tuple[str, float]], held_always: bool = False
-                 ) -> tuple[Comparison, Comparison | None]:
+    def evaluate(self, plan: Mapping[int, tuple[str, float]], held_always: bool = False) -> lossy.Measured:
         """Quality of ``plan`` on the calibration feeds and (when those meet the budget) the held-back ones."""
         cand = self.model.clone()
         self.build(cand, plan)
         sess = runtime.make_session(standins.cpu_runnable(cand)[0], threads=1)
-        cal = compare(runtime.run(sess, self.calib), self.ref_calib, self.calib)
-        if not held_always and self.budget.failures(cal):
-            return cal, None
-        got = runtime.run(sess, self.held)
-        held = compare(got, self.ref_held, self.held)
-        lowered = _ffn.bounded(held, got, self.ref_held, self.held, self.opts.confidence)
-        self.plain[id(lowered)] = held.worst("cosine")
-        return cal, lowered
+        s = self.s
+        return s.evaluate(lambda part: s.compare(part, runtime.run(sess, s.feeds(part))), held_always)
 
     def held_cosine(self, held: Comparison) -> str:
         """``held-back cosine X`` (and its lower bound when one is used)."""
-        return f"held-back cosine {_ffn.cosine_text(self.plain.get(id(held)), held, self.opts.confidence)}"
+        return f"held-back cosine {self.s.cosine_text(held)}"
 
     def macs(self, plan: Mapping[int, tuple[str, float]]) -> float:
         """FFN multiply-adds kept, as a fraction of dense (2:4 and unstructured run dense: 1.0)."""
@@ -403,10 +292,7 @@ class _Run:
 
     def row(self, pattern: str, plan, calib: Comparison | None, held: Comparison | None, verdict: str) -> None:
         def m(c: Comparison | None) -> str:
-            if c is None:
-                return "—"
-            conf = self.opts.confidence if id(c) in self.plain else 0.0
-            return f"{_ffn.cosine_text(self.plain.get(id(c)), c, conf)}/{c.worst('cosine_min'):.4f}"
+            return "—" if c is None else f"{self.s.cosine_text(c)}/{c.worst('cosine_min'):.4f}"
 
         self.table.append(f"{pattern:12s} | {self.describe(plan):40s} | FFN MACs {self.macs(plan):5.1%} | "
                           f"calib cos/min {m(calib)} | held {m(held)} | {verdict}")
@@ -420,83 +306,65 @@ class _Run:
         relaxed first), binary-searched (quality assumed monotone along it): a rung passes when it meets the
         budget on the calibration feeds and then on the held-back feeds.
         """
-        rungs = _ffn.ladder(len(self.ffns), [*LEVELS[pattern], 0.0],
-                            lambda i, level: self.layer(i, pattern, level).local_error)[:-1]
+        rungs = lossy.ladder(len(self.ffns), [*LEVELS[pattern], 0.0],
+                             lambda i, level: self.layer(i, pattern, level).local_error)[:-1]
         plans = [{i: (pattern, level) for i, level in enumerate(r)} for r in rungs]
-        budget = self.budget
-        seen: dict[int, tuple[Comparison, Comparison | None]] = {}
-
-        def ok(j: int) -> bool:
-            if j not in seen:
-                cal, held = self.evaluate(plans[j])
-                seen[j] = (cal, held)
-                verdict = ("fails on calib" if held is None else
-                           "fails on held-back feeds" if budget.failures(held) else "meets the budget")
-                self.row(pattern, plans[j], cal, held, verdict)
-            held = seen[j][1]
-            return held is not None and not budget.failures(held)
-
-        j = _ffn.first_passing(len(plans), ok)
-        return (None, None) if j is None else (plans[j], seen[j][1])
+        j, seen = self.s.first_confirmed(
+            len(plans), lambda j: self.evaluate(plans[j]),
+            lambda j, m: self.row(pattern, plans[j], m.calib, m.held, self.s.verdict(m)))
+        return (None, None) if j is None else (plans[j], seen[j].held)
 
     def go(self) -> PassResult:
         o, ctx, model = self.opts, self.ctx, self.model
         self.ffns = _ffn.find(model)
-        self.budget: Budget = ctx.budget if ctx.budget else parse_budget(DEFAULT_BUDGET)
-        if o.budget_share < 1.0:
-            self.budget = share(self.budget, o.budget_share)
-            self.note(f"budget_share {o.budget_share:g}: searching under {self.budget}")
+        self.s = s = lossy.BudgetSearch.of(o, ctx, budget_share=o.budget_share, confidence=o.confidence)
         if not self.ffns:
-            self.note(_ffn.NO_FFN_NOTE)
-            return PassResult(model, False, notes=self.notes)
+            s.note(_ffn.NO_FFN_NOTE)
+            return s.result(model, False)
         patterns = [o.pattern] if o.pattern != "auto" else list(FASTER)
         if "blocks" in patterns and any(d % o.block_size or d % o.block_cols for f in self.ffns
                                         for d in (f.hidden, f.width)):
             if o.pattern == "blocks":
-                self.note(f"not applied: blocks {o.block_size}x{o.block_cols} do not divide the FFN shapes")
-                return PassResult(model, False, notes=self.notes)
+                s.note(f"not applied: blocks {o.block_size}x{o.block_cols} do not divide the FFN shapes")
+                return s.result(model, False)
             patterns.remove("blocks")
         if {"blocks", "2:4"} & set(patterns) and model.opset_imports.get("", 0) < custom_ops.BODY_OPSET:
             if o.pattern in ("blocks", "2:4"):
-                self.note(f"not applied: the {custom_ops.DOMAIN} ops need opset >= {custom_ops.BODY_OPSET}")
-                return PassResult(model, False, notes=self.notes)
+                s.note(f"not applied: the {custom_ops.DOMAIN} ops need opset >= {custom_ops.BODY_OPSET}")
+                return s.result(model, False)
             patterns = [p for p in patterns if p not in ("blocks", "2:4")]
         if "2:4" in patterns and any(f.hidden % 4 or f.width % 4 for f in self.ffns):
-            self.note("not applied: FFN shapes not divisible by 4")
-            return PassResult(model, False, notes=self.notes)
-        self.calib, self.held, fed = calibration_feeds(model, ctx.calib_feeds, ctx.feeds)
-        if fed:
-            self.note(fed)
-        self.stats = _ffn.collect(model, self.ffns, self.calib)
+            s.note("not applied: FFN shapes not divisible by 4")
+            return s.result(model, False)
+        s.rows(model, ctx)
+        self.stats = _ffn.collect(model, self.ffns, s.calib)
         missing = [f.key for f in self.ffns if self.stats.get(f.x.name) is None or self.stats.get(f.a.name) is None
                    or self.stats[f.x.name].xtx is None or self.stats[f.a.name].xtx is None]
         if missing:
-            self.note(f"not applied: no calibration activations for {', '.join(missing)}")
-            return PassResult(model, False, notes=self.notes)
+            s.note(f"not applied: no calibration activations for {', '.join(missing)}")
+            return s.result(model, False)
         ref_sess = runtime.make_session(standins.cpu_runnable(model)[0], threads=1)
-        self.ref_calib = runtime.run(ref_sess, self.calib)
-        self.ref_held = runtime.run(ref_sess, self.held)
-        self.note(f"{len(self.ffns)} FFN blocks; scores {o.scores}, compensation {'on' if o.compensate else 'off'}; "
-                  f"{len(self.calib)} calibration / {len(self.held)} held-back feeds")
+        s.reference(lambda feeds: runtime.run(ref_sess, feeds))
+        s.note(f"{len(self.ffns)} FFN blocks; scores {o.scores}, compensation {'on' if o.compensate else 'off'}; "
+               f"{len(s.calib)} calibration / {len(s.held)} held-back feeds")
 
         if o.sparsity:
             plan = {i: (o.pattern, o.sparsity) for i in range(len(self.ffns))}
-            cal, held = self.evaluate(plan, held_always=True)
-            fails = self.budget.failures(held) if ctx.budget else []
-            self.row(o.pattern, plan, cal, held, "breaks the budget" if fails else "as asked")
+            m = self.evaluate(plan, held_always=True)
+            held = m.held
+            fails = s.fails(held) if s.given else []
+            self.row(o.pattern, plan, m.calib, held, "breaks the budget" if fails else "as asked")
             self._table_note()
-            self.note(f"asked for {o.pattern} at {o.sparsity:.0%}: {self.held_cosine(held)}, "
-                      f"cosine_min {held.worst('cosine_min'):.4f}, max_abs {held.worst('max_abs'):.3g}; "
-                      f"FFN multiply-adds {self.macs(plan):.0%} of dense")
+            s.note(f"asked for {o.pattern} at {o.sparsity:.0%}: {self.held_cosine(held)}, "
+                   f"cosine_min {held.worst('cosine_min'):.4f}, max_abs {held.worst('max_abs'):.3g}; "
+                   f"FFN multiply-adds {self.macs(plan):.0%} of dense")
             if fails:
-                self.note(f"budget {self.budget} not met ({'; '.join(fails)}): model unchanged")
-                return PassResult(model, False, notes=self.notes, budget_met=False)
+                s.note(f"budget {s.budget} not met ({'; '.join(fails)}): model unchanged")
+                return s.result(model, False, met=False, held=held)
             counts = self.build(model, plan)
-            return PassResult(model, True, notes=self.notes, rule_counts=counts,
-                              budget_met=True if ctx.budget else None)
+            return s.result(model, True, met=True if s.given else None, held=held, rule_counts=counts)
 
-        if not ctx.budget:
-            self.note(f"no budget given: using the default {DEFAULT_BUDGET}")
+        s.note_default()
         best: tuple[float, str, dict, Comparison] | None = None
         for pattern in patterns:
             plan, held = self.search(pattern)
@@ -504,19 +372,19 @@ class _Run:
                 best = (self.macs(plan), pattern, plan, held)
         self._table_note()
         if best is None or (best[0] >= 1.0 and o.pattern in ("auto", *FASTER)):
-            self.note(f"declined: no {'/'.join(patterns)} sparsity meets the budget {self.budget} on held-back feeds"
-                      "; model unchanged")
-            return PassResult(model, False, notes=self.notes, budget_met=False)
+            s.note(f"declined: no {'/'.join(patterns)} sparsity meets the budget {s.budget} on held-back feeds"
+                   "; model unchanged")
+            return s.result(model, False, met=False)
         macs, pattern, plan, held = best
         counts = self.build(model, plan)
-        self.note(f"chose {pattern}: per-layer sparsity {self.describe(plan)}; FFN multiply-adds {macs:.0%} of dense; "
-                  f"{self.held_cosine(held)}, cosine_min {held.worst('cosine_min'):.4f}")
-        return PassResult(model, True, notes=self.notes, rule_counts=counts, budget_met=True)
+        s.note(f"chose {pattern}: per-layer sparsity {self.describe(plan)}; FFN multiply-adds {macs:.0%} of dense; "
+               f"{self.held_cosine(held)}, cosine_min {held.worst('cosine_min'):.4f}")
+        return s.result(model, True, met=True, held=held, rule_counts=counts)
 
     def _table_note(self) -> None:
         if self.table:
-            self.note("measured (pattern | per-layer sparsity | FFN MACs | calib | held | verdict):\n  "
-                      + "\n  ".join(self.table))
+            self.s.note("measured (pattern | per-layer sparsity | FFN MACs | calib | held | verdict):\n  "
+                        + "\n  ".join(self.table))
 
 
 register(SparsifyPass)

@@ -13,8 +13,10 @@ from testmodels import tiny_bert_feeds
 from graphopt.data.metrics import compare, parse_budget
 from graphopt.engine.registry import PassContext
 from graphopt.errors import UsageError
+from graphopt.rewrites.common import bounds
 from graphopt.rewrites.common import ffn as _ffn
-from graphopt.rewrites.sparsify import SparsifyPass, lstsq_columns, nm_mask, sparsegpt
+from graphopt.rewrites.sparsify import SparsifyPass
+from graphopt.rewrites.sparsify.weights import lstsq_columns, nm_mask, sparsegpt
 from graphopt.runtime import custom_ops, standins
 from graphopt.runtime import session as runtime
 
@@ -180,13 +182,13 @@ def test_cosine_lower_bound_per_sentence():
         got.append({"h": r + noise})
         ref.append({"h": r})
     mean = compare(got, ref, feeds).worst("cosine")
-    assert _ffn.cosine_lower_bound(got, ref, feeds, 0.0)["h"] == pytest.approx(mean, abs=1e-12)
+    assert bounds.cosine_lower_bound(got, ref, feeds, 0.0)["h"] == pytest.approx(mean, abs=1e-12)
     packed = [{"h": g["h"][f["attention_mask"].astype(bool)]} for g, f in zip(got, feeds)]
-    assert _ffn.cosine_lower_bound(packed, ref, feeds, 0.0)["h"] == pytest.approx(mean, abs=1e-12)
-    lb3 = _ffn.cosine_lower_bound(got, ref, feeds, 0.95)["h"]
-    lb1 = _ffn.cosine_lower_bound(got[:1], ref[:1], feeds[:1], 0.95)["h"]
+    assert bounds.cosine_lower_bound(packed, ref, feeds, 0.0)["h"] == pytest.approx(mean, abs=1e-12)
+    lb3 = bounds.cosine_lower_bound(got, ref, feeds, 0.95)["h"]
+    lb1 = bounds.cosine_lower_bound(got[:1], ref[:1], feeds[:1], 0.95)["h"]
     assert lb3 < mean and mean - lb1 > mean - lb3 > 0.002
-    assert _ffn.bounded(compare(got, ref, feeds), got, ref, feeds, 0.95).worst("cosine") == pytest.approx(lb3)
+    assert bounds.bounded(compare(got, ref, feeds), got, ref, feeds, 0.95).worst("cosine") == pytest.approx(lb3)
 
 
 def test_budget_needs_the_lower_bound(tiny):
@@ -196,7 +198,7 @@ def test_budget_needs_the_lower_bound(tiny):
     held = feeds[3:]
     got, ref = _run(res.model, held), _run(ir.load(path), held)
     mean = compare(got, ref, held).worst("cosine")
-    lb = min(_ffn.cosine_lower_bound(got, ref, held, 0.95).values())
+    lb = min(bounds.cosine_lower_bound(got, ref, held, 0.95).values())
     assert lb < mean and re.search(rf"cosine {mean:.4f} \(lb {lb:.4f}\)", " ".join(res.notes))
     budget = f"cosine>={(mean + lb) / 2:.9f}"
     res = _call(path, feeds, budget=budget, pattern="neurons", sparsity=0.75, compensate=False, scores="magnitude")

@@ -18,7 +18,7 @@ from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.registry import PassContext
 from graphopt.engine.verify import check_structure, run_model
 from graphopt.errors import UsageError
-from graphopt.rewrites.convert_precision import DEFAULT_BLOCK, fold_cast_pairs
+from graphopt.rewrites.convert_precision.convert import DEFAULT_BLOCK, fold_cast_pairs
 from graphopt.runtime import standins
 from graphopt.runtime.session import make_session, run
 

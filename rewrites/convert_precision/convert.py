@@ -1,46 +1,8 @@
-"""``convert-precision``: float weights and compute to fp16 or bf16, with fp32 islands (lossy, under a budget).
+"""``convert-precision``: the conversion itself: which values go to fp16/bf16, the Casts at the boundaries.
 
-    x(fp32) ─▶ MatMul(W) ─▶ Add(b) ─▶ Softmax ─▶ MatMul(V) ─▶ y(fp32)
-becomes
-    x ─Cast─▶ MatMul(W16) ─▶ Add(b16) ─Cast─▶ Softmax ─Cast─▶ MatMul(V16) ─Cast─▶ y
-                                              └ fp32 island ┘
-
-Every node is one of three kinds:
-
-- *compute* (MatMul, Gemm, Gelu, LayerNormalization, contrib ops...): runs in the target precision
-  where its type constraints accept it; standard ops from their ONNX schema, ``com.microsoft`` ops from
-  the types their CUDA kernels register (``CONTRIB_CUDA``; e.g. PackedMultiHeadAttention and
-  EmbedLayerNormalization have no bf16 kernel and stay fp32 under ``precision=bf16``). Outputs whose
-  type the op fixes by an attribute (LayerNormalization's Mean/InvStdDev, ``stash_type``) keep it: the
-  normalization statistics of LayerNormalization (``stash_type=1``) and of the Skip/Simplified
-  LayerNormalization kernels are computed in fp32 by the op itself; a LayerNormalization with another
-  ``stash_type`` is blocked.
-- *blocked* (option ``block``; default ``DEFAULT_BLOCK``: Softmax, exponentials and logarithms, Pow and
-  the accumulating reductions): fp32 islands. So are nodes with subgraphs and ops of unknown domains.
-- *follow* (data movement, comparisons and cheap elementwise ops): runs in the precision of its
-  computed inputs (the target precision if any is, else fp32), so an island grows through the
-  elementwise tail of a statistic (RMSNorm's ``Add(eps) -> Sqrt -> Reciprocal``) instead of casting
-  back and forth.
-
-Casts sit only where a value crosses between the two precisions, one per value and precision,
-inserted once and shared. Constants (initializers, ``Constant``, ``ConstantOfShape``) and
-``Cast(to=FLOAT)`` nodes are converted at their source: a consumer in each precision gets its own
-copy, never a Cast of a Cast. Finite values beyond the target's range are clamped to its largest
-finite value (the notes count them). A final cleanup folds any ``Cast(Cast(x))`` chain left (a round
-trip through a wider float becomes ``x``; a chain whose first cast is exact becomes one Cast).
-
-``keep_io_types=true`` (default): float graph inputs and outputs stay fp32 (Casts at the boundary);
-``false``: they change to the target type.
-
-Verification: ONNX Runtime's CPU provider has no fp16/bf16 kernel for most ops; the pipeline runs
-such nodes through the precision stand-ins of ``graphopt.runtime.standins`` (inputs cast to fp32, the op in
-fp32, outputs rounded to the target type: what the CUDA kernels compute, with fp32 accumulation), and
-the report names them. The budget (``default_budget``, or ``--budget``) is confirmed by the pipeline
-on held-back feeds against the input model; the pass itself makes one candidate.
-
-Refuses (model unchanged, note): a model with no float initializer and no float compute; a model whose
-subgraphs (If/Loop/Scan bodies) read float values of the main graph directly (nodes with subgraphs
-are otherwise fp32 islands, their bodies untouched).
+:class:`Converter` infers element types, plans every node (low precision, fp32 island, or follow its
+inputs), converts the initializers it can and inserts a Cast where a value is read in the other precision;
+:func:`fold_cast_pairs` then drops round trips that are exact. See the package docstring for the rules.
 """
 
 from __future__ import annotations
@@ -53,8 +15,6 @@ import numpy as np
 import onnx.defs
 import onnx_ir as ir
 
-from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
-from graphopt.errors import UsageError
 from graphopt.opsets import MS_DOMAIN, node_domain
 
 logger = logging.getLogger(__name__)
@@ -132,7 +92,7 @@ def _param_positions(formal, count: int) -> list[str]:
     return out
 
 
-class _Run:
+class Converter:
     """One call: the plan and the rewrite of one model (pass state lives here, not on the pass)."""
 
     def __init__(self, model: ir.Model, low: ir.DataType, block: frozenset[str], keep_io: bool):
@@ -435,74 +395,3 @@ def fold_cast_pairs(graph: ir.Graph) -> int:
             graph.remove(first, safe=True)
         folded += 1
     return folded
-
-
-def _captured_floats(graph: ir.Graph) -> list[str]:
-    """Names of main-graph float values that nodes inside subgraphs read directly (implicit captures)."""
-    names = []
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        if node.graph is graph:
-            continue
-        for v in node.inputs:
-            if v is None or v.dtype != F32:
-                continue
-            owner = v.producer().graph if v.producer() is not None else v.graph
-            if owner is graph and v.name not in names:
-                names.append(v.name or "?")
-    return names
-
-
-def _float_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values()
-               if v.const_value is not None and v.dtype is not None and v.dtype.is_floating_point())
-
-
-class ConvertPrecision(GraphoptPass):
-    """Convert float weights and compute to fp16/bf16 with fp32 islands for sensitive ops (lossy)."""
-
-    name = "convert-precision"
-    exact = False
-    default_budget = "cosine>=0.999"
-    run_after = ("cleanup", "fuse", "remove-padding")
-
-    def __init__(self, *, precision: str = "fp16", keep_io_types: bool = True,
-                 block: str = ",".join(DEFAULT_BLOCK)):
-        super().__init__()
-        if precision not in PRECISIONS:
-            raise UsageError(f"convert-precision.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        self.precision = precision
-        self.keep_io_types = keep_io_types
-        self.block = block
-
-    def _block_set(self) -> frozenset[str]:
-        return frozenset(b.strip() for b in self.block.split(",") if b.strip())
-
-    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        low = PRECISIONS[self.precision]
-        run = _Run(model, low, self._block_set(), self.keep_io_types)
-        model.graph.sort()
-        run.infer_dtypes()  # adds element types only where the model has none
-        captured = _captured_floats(model.graph)
-        if captured:
-            return PassResult(model, False, notes=[
-                f"not applied: subgraphs (If/Loop/Scan bodies) read outer float values ({', '.join(captured[:3])}); "
-                "converting them would change the bodies' input types"])
-        before = _float_bytes(model)
-        run.run()
-        computed_low = sum(1 for v, p in run.prec.items() if p == low and not v.is_graph_input())
-        if not run.counts["initializers"] and not computed_low:
-            return PassResult(model, False, notes=["not applied: no float initializer or float compute"])
-        after = _float_bytes(model)
-        notes = [f"{self.precision}: float initializers {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB; "
-                 f"{run.counts['casts']} Cast(s) at precision boundaries"]
-        if run.fp32_ops:
-            notes.append("kept fp32: " + ", ".join(f"{k} x{v}" for k, v in sorted(run.fp32_ops.items())))
-        if run.clamped:
-            notes.append(f"{run.clamped} constant value(s) beyond the {self.precision} range clamped to its largest finite value")
-        if ctx.provider != "cuda":
-            notes.append("targets GPUs: ONNX Runtime's CPU provider runs most fp16/bf16 ops by casting to fp32 (slower)")
-        counts = {k: v for k, v in run.counts.items() if v}
-        return PassResult(model, True, notes=notes, rule_counts=counts)
-
-
-register(ConvertPrecision)
