@@ -16,6 +16,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from graphopt import io
 from graphopt.exporters.sources import Prepared
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,6 @@ def export_torchscript(prep: Prepared, opset: int | None, workdir: Path) -> ir.M
     """torch.onnx.export(dynamo=False) into ``workdir`` -> onnx_ir.Model (lazy external data)."""
     import torch
 
-    from graphopt import io
 
     path = workdir / "torchscript.onnx"
     axes = {n: dict(a) for n, a in prep.dynamic_axes.items() if a}

@@ -16,7 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from graphopt import io
 from graphopt.errors import ExportError, RuntimeSetupError, UsageError
+from graphopt.exporters import backends, parity, sources, tasks
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,6 @@ def export(
     ``atol``: max absolute difference allowed per output on real tokens (default 1e-4 fp32, 1e-2 fp16).
     Raises ExportError, ParityError (exit 3) or UsageError; on any failure no file is written.
     """
-    from graphopt import io
-    from graphopt.exporters import backends, parity, sources, tasks
-
     t0 = time.perf_counter()
     spec = tasks.get_task(task)
     if exporter is not None and exporter not in backends.EXPORTERS:
@@ -151,9 +150,6 @@ def check_parity(
     Useful for cached exports: the same feeds and tolerance as ``export``; raises ParityError on failure.
     ``attn`` should match the attention implementation the file was exported with (its metadata).
     """
-    from graphopt import io
-    from graphopt.exporters import parity, sources, tasks
-
     spec = tasks.get_task(task)
     io.load(model_path)  # a readable ONNX file, or ModelLoadError
     prep = sources.prepare(src, spec, attn=attn, dtype=dtype)

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from graphopt.data import metrics
 from graphopt.errors import ParityError
+from graphopt.runtime import session as runtime
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +95,6 @@ def _describe(feed: dict[str, np.ndarray]) -> str:
 def check(model, reference, feeds, input_names, output_names, *, atol: float, fp16_inputs: bool = False,
           src: str = "model") -> ParityResult:
     """Compare ORT on ``model`` (onnx_ir.Model or path) with ``reference`` (torch); raise on failure."""
-    from graphopt.data import metrics
-    from graphopt.runtime import session as runtime
-
     ref = torch_outputs(reference, feeds, input_names, output_names)
     ort_feeds = feeds
     if fp16_inputs:

@@ -14,6 +14,7 @@ path to a ``.py`` file.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -142,7 +143,6 @@ def _prepare_hf(folder: Path, spec: TaskSpec, attn: str | None, dtype: str) -> P
     ref = make_wrapper(model, spec, names, num_layers)
     module = ref
     if dtype == "fp16":
-        import copy
 
         module = make_wrapper(copy.deepcopy(model).half(), spec, names, num_layers)
     feeds, example = _hf_feeds(folder, config, names, spec, vocab, num_layers)
@@ -334,7 +334,6 @@ def _prepare_callable(src: str, spec: TaskSpec, dtype: str) -> Prepared:
     ref = _Callable(inner)
     module = ref
     if dtype == "fp16":
-        import copy
 
         module = _Callable(copy.deepcopy(inner).half())
     ex = {n: (t.half() if dtype == "fp16" and t.is_floating_point() else t) for n, t in inputs.items()}

@@ -23,6 +23,8 @@ causal-lm-with-past        + past_key_values.N.key/value                  + pres
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 
 from graphopt.errors import UsageError
 
@@ -75,7 +77,6 @@ def get_task(name: str) -> TaskSpec:
     """The TaskSpec called ``name``; UsageError listing the tasks otherwise."""
     spec = TASKS.get(name)
     if spec is None:
-        import difflib
 
         close = difflib.get_close_matches(name, list(TASKS), n=1)
         hint = (f"did you mean {close[0]!r}? " if close else "") + "tasks: " + ", ".join(TASKS)
@@ -137,7 +138,6 @@ def make_wrapper(model, spec: TaskSpec, input_names: list[str], num_layers: int 
                 flat += [layer.keys, layer.values]
             return (out.logits, *flat)
 
-    import inspect
 
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return _WithPast(model) if spec.with_past else _Plain(model)

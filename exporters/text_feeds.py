@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from graphopt.data import feeds as gfeeds
 from graphopt.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -142,8 +143,6 @@ def write_text_feeds(
     seed: int = 0,
 ) -> FeedStats:
     """Tokenize ``text`` with the tokenizer in ``tokenizer_dir`` and write ``.npz`` feeds to ``output``."""
-    from graphopt.data import feeds as gfeeds
-
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: is a file; -o takes a folder")

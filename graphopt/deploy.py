@@ -35,7 +35,12 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+import graphopt
+from graphopt import io
+from graphopt.engine.provenance import chain_of
 from graphopt.errors import ModelLoadError, ModelSaveError, UsageError
+from graphopt.runtime import session_hints
+from graphopt.runtime.ort_compat import requirements
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +143,6 @@ def _from_mask(value: ir.Value | None, mask: str, hops: int = 4) -> bool:
 def is_packed(model: ir.Model) -> bool:
     """Whether graphopt's remove-padding rewrote ``model``: its nodes' provenance says so or, where the
     metadata was stripped, the graph packs real tokens by ``NonZero`` of the flattened attention mask."""
-    from graphopt.engine.provenance import chain_of
 
     nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
     if any("remove-padding" in chain_of(n) for n in nodes):
@@ -218,7 +222,6 @@ def _sha256(path: Path) -> str:
 
 def _report_fields(report: dict | None, model: ir.Model) -> dict:
     if report is None:
-        from graphopt.engine.provenance import chain_of
 
         seen: list[str] = []
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
@@ -242,8 +245,6 @@ def _report_fields(report: dict | None, model: ir.Model) -> dict:
 
 def _session_settings(model: ir.Model) -> dict[str, Any]:
     """The ORT session settings the model recorded (``graphopt.runtime.session_hints``), graphopt's defaults else."""
-    from graphopt.runtime import session_hints
-
     return {**session_hints.MEASURED, **session_hints.read(model)}
 
 
@@ -252,9 +253,6 @@ def manifest(model: ir.Model, sig: Signature, *, name: str, report: dict | None,
              files: dict[str, str]) -> dict:
     """The ``graphopt.json`` manifest (see the module docstring)."""
     import onnxruntime as ort
-
-    import graphopt
-    from graphopt.runtime.ort_compat import requirements
 
     req = requirements(model)
     if provider == "cuda" and "cuda" not in req.providers:
@@ -315,8 +313,6 @@ def deploy(model_path: str | os.PathLike, repo: str | os.PathLike, *, name: str 
 
     The entry is built in a temporary folder beside it and renamed into place, so a failure leaves nothing.
     """
-    from graphopt import io
-
     src = Path(model_path)
     name = name or src.name.split(".")[0]
     if not name or "/" in name or name.startswith("."):

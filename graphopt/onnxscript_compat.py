@@ -36,8 +36,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript import optimizer
-from onnxscript.rewriter import pattern
+from onnxscript import optimizer, rewriter
+from onnxscript.rewriter import _pattern_ir, pattern
 from onnxscript.rewriter.ort_fusions import mha_scale, sdpa_via_mha
 
 from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN
@@ -63,7 +63,6 @@ TESTED_BELOW = (0, 8)
 
 def _default_rules() -> tuple[pattern.RewriteRule, ...]:
     # no public name: onnxscript.rewriter.rewrite() applies these when given no rules
-    from onnxscript import rewriter
 
     return tuple(rewriter._DEFAULT_REWRITE_RULES)
 
@@ -83,8 +82,6 @@ def exact_identity_constants(rules) -> int:
     A rule that drops an operand (``x + 0``, ``x * 1``, ``x - 0``, ``x / 1``) then fires only when the operand is
     the identity exactly, never on a guard such as ``+ 1e-10`` or a scale of ``1.000001``.
     """
-    from onnxscript.rewriter import _pattern_ir
-
     def identity(v) -> bool:
         vals = v if isinstance(v, list) else [v]
         return bool(vals) and all(isinstance(x, (int, float)) and x in (0, 1) for x in vals)

@@ -12,8 +12,10 @@ import collections
 import logging
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
+from graphopt.analysis.shapes import symbolic_infer
 from graphopt.opsets import MS_DOMAIN, node_domain, op_key
 
 logger = logging.getLogger(__name__)
@@ -26,9 +28,7 @@ FLOP_SEQ = 128
 def _concrete_shapes(model: ir.Model, batch: int, seq: int) -> dict[str, list[int]]:
     """Value name -> shape with the symbolic input dims fixed: ONNX Runtime's symbolic shape
     inference (it knows the contrib ops and sizes attention MatMuls), else ONNX's."""
-    import onnx
 
-    from graphopt.analysis.shapes import symbolic_infer
 
     try:
         proto = ir.serde.serialize_model(model) if _small(model) else _proto_without_big_data(model)
@@ -64,8 +64,6 @@ def _small(model: ir.Model) -> bool:
 
 def _proto_without_big_data(model: ir.Model):
     """A ModelProto whose large initializers are graph inputs (shape only): cheap to infer."""
-    import onnx
-
     big = {n for n, v in model.graph.initializers.items() if v.const_value is not None and v.const_value.size > 4096}
     g = model.graph
     saved = {n: g.initializers[n] for n in big}

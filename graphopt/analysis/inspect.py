@@ -7,6 +7,8 @@ from typing import Any
 import onnx_ir as ir
 
 from graphopt import io
+from graphopt.analysis.flops import estimate_flops as _estimate
+from graphopt.analysis.fusion_status import fusion_status
 from graphopt.analysis.params import parameter_count
 from graphopt.opsets import op_histogram
 
@@ -21,8 +23,6 @@ def _sig(values) -> list[dict]:
 
 def estimate_flops(model: ir.Model, batch: int = 1, seq: int = 128) -> dict[str, Any]:
     """FLOPs at ``batch``×``seq`` (see ``graphopt.analysis.flops``); ``unknown`` counts ops of unknown shape."""
-    from graphopt.analysis.flops import estimate_flops as _estimate
-
     f = _estimate(model, batch, seq)
     return {"total": f["total"], "by_op": f["by_op"], "unknown": f["unknown_nodes"], "batch": batch, "seq": seq}
 
@@ -76,11 +76,7 @@ def inspect_model(model: ir.Model | str, *, batch: int = 1, seq: int = 128, flop
         "metadata": dict(model.metadata_props),
     }
     try:
-        from graphopt.analysis.fusion_status import fusion_status
-
         info["fusion"] = fusion_status(model)
-    except ImportError:
-        pass
     except Exception as e:  # analysis is best effort; say why it is missing
         info["fusion"] = {"error": f"{type(e).__name__}: {e}"}
     if flops:

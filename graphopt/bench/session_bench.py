@@ -8,9 +8,11 @@ outputs are left on the GPU, so the timing is the session's compute, not host-de
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+import onnx_ir as ir
 
 from graphopt.bench.harness import BenchResult, round_robin
 from graphopt.runtime import session as runtime
@@ -226,9 +228,6 @@ def paired_scaling(results: Mapping[int, Sequence[BenchResult]], relative_to: st
 
 def model_settings(model: object) -> dict:
     """The session settings recorded in a model (path or ``onnx_ir.Model``; others have none): ``{}`` if none."""
-    import os
-
-    import onnx_ir as ir
 
     if isinstance(model, (str, os.PathLike, ir.Model)):
         return session_hints.read(model)

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from graphopt import io
 from graphopt.analysis.flops import FLOP_BATCH, FLOP_SEQ, estimate_flops
 from graphopt.diff import deltas
+from graphopt.diff import numeric as _numeric
 from graphopt.diff.matching import Matching, NodeId, Side, match_graphs, pass_of
 from graphopt.diff.regions import find_regions
 from graphopt.diff.result import SCHEMA_VERSION, DiffResult
@@ -33,7 +35,6 @@ __all__ = ["SCHEMA_VERSION", "DiffResult", "diff_models"]
 def _as_model(m: ir.Model | str | os.PathLike) -> tuple[ir.Model, str]:
     if isinstance(m, ir.Model):
         return m, m.graph.name or "model"
-    from graphopt import io
 
     return io.load(m), str(m)
 
@@ -153,7 +154,6 @@ def diff_models(
         graphs={"a": ra, "b": rb},
     )
     if numeric:
-        from graphopt.diff import numeric as _numeric
 
         result.numeric = _numeric.numeric_diff(ma, mb, m, feeds=feeds, calib=calib, shapes=input_shapes,
                                                values=input_values, atol=atol, rtol=rtol)

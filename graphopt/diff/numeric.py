@@ -11,18 +11,23 @@ it to the nearest graph output and lists the error of every compared tensor on t
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from graphopt.data import feeds as feeds_mod
+from graphopt.data import metrics
 from graphopt.diff import staged
 from graphopt.diff.structural import Matching, op_key
 from graphopt.errors import GraphoptError
+from graphopt.runtime import session as runtime
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +50,6 @@ def _pairs(m: Matching) -> list[tuple[ir.Value, ir.Value]]:
 
 def _with_outputs(model: ir.Model, names: Sequence[str]):
     """A ModelProto copy of ``model`` whose graph outputs also list ``names``."""
-    import onnx
-
     proto = ir.serde.serialize_model(model)
     have = {o.name for o in proto.graph.output}
     for n in names:
@@ -109,19 +112,13 @@ class _WholeRun:
     """The model in one session with every wanted value as a graph output: one group per feed."""
 
     def __init__(self, proto):
-        from graphopt.runtime import session as runtime
-
         self.sess = runtime.make_session(proto, optimize=False)
 
     def run(self, feed):
-        from graphopt.runtime import session as runtime
-
         yield runtime.run(self.sess, [feed], [o.name for o in self.sess.get_outputs()])[0]
 
 
 def _compare_runs(runs, groups, a_names, feeds, atol, rtol):
-    from graphopt.data import metrics
-
     comparer = metrics.Comparer(a_names, atol=atol, rtol=rtol)
     sets = [{a for a, _ in g} for g in groups]
     names_of = [[n for n in a_names if n in group] for group in sets]  # repeats kept, as compare() had them
@@ -143,8 +140,6 @@ def _release_freed_memory() -> None:
     """Give the C heap's freed pages back to the system (glibc ``malloc_trim``; a no-op elsewhere)."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
-        import ctypes
-        import ctypes.util
 
         try:
             _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim

@@ -28,6 +28,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from graphopt.runtime import session as runtime
+
 logger = logging.getLogger(__name__)
 
 
@@ -156,7 +158,6 @@ class StagedRun:
     def _build(self, s: _Segment, frontier: Mapping[str, Any]) -> None:
         import onnxruntime as ort
 
-        from graphopt.runtime import session as runtime
 
         g = onnx.GraphProto(name="segment")
         g.node.extend(s.nodes)

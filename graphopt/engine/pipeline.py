@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from graphopt import io, memory
 from graphopt.data import feeds as feeds_mod
+from graphopt.data.metrics import compare
 from graphopt.engine import provenance, registry
 from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.report import PassRecord, Report
@@ -32,7 +33,7 @@ from graphopt.engine.verify import check_level, check_structure, run_model, run_
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.opsets import count_nodes, op_delta, op_histogram
 from graphopt.runtime import session_hints, standins
-from graphopt.runtime.session import PROVIDERS, make_session
+from graphopt.runtime.session import PROVIDERS, cuda_available, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,6 @@ def optimize(
     if provider not in PROVIDERS:
         raise UsageError(f"unknown provider {provider!r}", hint="use " + " or ".join(PROVIDERS))
     if provider == "cuda":
-        from graphopt.runtime.session import cuda_available
 
         ok, why = cuda_available()
         logger.warning("passes target CUDA; verification runs on CPU%s", "" if ok else f" (no CUDA here: {why})")
@@ -250,7 +250,6 @@ def optimize(
     report.nodes_after = count_nodes(good)
     report.ops_after = dict(op_histogram(good))
     if reference is not None and prev_out is not None and prev_out is not reference:
-        from graphopt.data.metrics import compare
 
         report.final = compare(prev_out, reference, all_feeds).summary()
     report.seconds = time.perf_counter() - t_start

@@ -11,6 +11,8 @@ import math
 import os
 from typing import Any
 
+from graphopt import io
+
 SCHEMA_VERSION = 1
 
 
@@ -69,8 +71,6 @@ class Report:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON report to ``path`` atomically (``graphopt.io.write_atomic``)."""
-        from graphopt import io
-
         io.write_atomic(path, self.to_json())
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from graphopt.errors import UsageError
+from graphopt.errors import UsageError, first_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 #: ``model_max_length`` above this is transformers' "no limit" sentinel, not a length
@@ -39,7 +39,6 @@ def load_tokenizer(folder: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:
-        from graphopt.errors import first_line
 
         raise UsageError(f"{folder}: the tokenizer does not load: {type(e).__name__}: {first_line(e)}") from e
 

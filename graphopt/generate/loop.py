@@ -23,6 +23,7 @@ from graphopt.generate.batch import Batch
 from graphopt.generate.cache import KVCache
 from graphopt.generate.sampling import GREEDY, Sampler, Sampling
 from graphopt.generate.signature import DecoderSignature, last_logits, read_signature
+from graphopt.runtime.session import make_session
 
 #: ``on_token(row, token_id)``: called as each new token is chosen (row: the prompt's index in the batch)
 OnToken = Callable[[int, int], None]
@@ -87,7 +88,6 @@ def open_decoder(session_or_path, *, threads: int | None = None) -> Decoder:
     if isinstance(session_or_path, Decoder):
         return session_or_path
     if isinstance(session_or_path, (str, os.PathLike)):
-        from graphopt.runtime.session import make_session
 
         path = Path(session_or_path)
         if not path.is_file():

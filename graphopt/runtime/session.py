@@ -6,15 +6,22 @@ CUDA is used when asked for and available; otherwise CPU, with the reason logged
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
+import importlib.metadata
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 
+from graphopt import io
 from graphopt.errors import RuntimeSetupError, first_line
+from graphopt.runtime import standins
+from graphopt.runtime.standins import STAND_INS  # the CUDA-only ops graphopt emits
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +43,6 @@ def cuda_available() -> tuple[bool, str]:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return False, "onnxruntime has no CUDAExecutionProvider (install the `gpu` extra instead of onnxruntime)"
     try:
-        import ctypes
-
         ctypes.CDLL("libcudart.so.12")
     except OSError:
         pass  # ORT may find CUDA through its own search paths; the session tells
@@ -46,8 +51,6 @@ def cuda_available() -> tuple[bool, str]:
 
 def require_cuda() -> None:
     """Raise a one-line RuntimeSetupError naming what is missing for ONNX Runtime's CUDA provider."""
-    import importlib.metadata
-
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
@@ -152,7 +155,6 @@ def make_session(
         sess = ort.InferenceSession(src, sess_options=so, providers=providers)
     except Exception as e:
         msg = first_line(e)
-        from graphopt.runtime.standins import STAND_INS  # the CUDA-only ops graphopt emits
 
         hint = None
         if "CUDAExecutionProvider" not in providers and any(f"{op}(" in msg for _, op in STAND_INS):
@@ -175,10 +177,7 @@ def _model_source(model: Any):
     """What ``InferenceSession`` takes for an ``onnx_ir.Model`` or ModelProto: serialized bytes, or for
     large models and models with external data the path of a temporary file whose weights stay on
     disk (``graphopt.io.materialize``)."""
-    import onnx
-    import onnx_ir as ir
 
-    from graphopt import io
 
     if isinstance(model, ir.Model):
         with io.materialize(model) as m:
@@ -207,8 +206,6 @@ def runnable(model, provider: str = "cpu"):
     On CPU (or where CUDA is missing), ops with no CPU kernel are replaced by their standard-op
     stand-ins in a copy (``graphopt.runtime.standins.cpu_runnable``); otherwise ``model`` itself.
     """
-    from graphopt.runtime import standins
-
     if provider == "cuda" and cuda_available()[0]:
         return model, []
     return standins.cpu_runnable(model)

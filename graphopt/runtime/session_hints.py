@@ -27,6 +27,7 @@ import logging
 import os
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,6 @@ def read(model: ir.Model | str | os.PathLike) -> dict[str, Any]:
     if isinstance(model, ir.Model):
         text, where = model.metadata_props.get(KEY), "model"
     else:
-        import onnx
 
         proto = onnx.load(str(model), load_external_data=False)
         text = next((p.value for p in proto.metadata_props if p.key == KEY), None)

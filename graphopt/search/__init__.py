@@ -44,6 +44,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,10 +52,15 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from graphopt import io
+from graphopt.bench import bench_sessions
 from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import DEFAULT_BUDGET, Budget, compare, parse_budget
+from graphopt.engine import pipeline
 from graphopt.engine import recipe as recipe_mod
+from graphopt.engine.options import OptimizeOptions
+from graphopt.engine.verify import run_model
 from graphopt.errors import UsageError, VerificationError
+from graphopt.runtime import session as runtime
 from graphopt.search.candidates import FAMILIES, Candidate, _is_classifier, plan
 from graphopt.search.output import paths_for, rerun_command, write
 from graphopt.search.plot import check_plot_support
@@ -76,8 +82,6 @@ RESERVE = 0.1
 
 def parse_duration(text: str | float | int | None) -> float:
     """``'10m'``, ``'90s'``, ``'1h'``, ``'1h30m'`` or a number of seconds -> seconds."""
-    import re
-
     if text is None:
         return 600.0
     if isinstance(text, (int, float)):
@@ -111,10 +115,6 @@ def search(
     Returns a :class:`SearchResult` (``chosen`` None when no candidate met the budget); raises
     GraphoptError for bad usage or input. Ctrl-C during the trials ends them and returns the best so far.
     """
-    from graphopt.engine import pipeline
-    from graphopt.engine.options import OptimizeOptions
-    from graphopt.engine.verify import run_model
-
     t_start = time.perf_counter()
     limit = parse_duration(time_limit)
     emit = on_event or (lambda kind, info: None)
@@ -284,8 +284,6 @@ def search(
 def _duel(trials: list[Trial], lossless: Trial, shared: _Shared, emit) -> tuple[Trial, list[dict]]:
     """Time the fastest candidates within budget and the lossless model against each other, interleaved in
     this one process; the fastest wins (the lossless model only when it meets the budget)."""
-    from graphopt.bench import bench_sessions
-    from graphopt.runtime import session as runtime
 
     calib, _ = feeds_mod.split_feeds(shared.feeds)
     models = {lossless.name: shared.bases["default"], **{t.name: t.model for t in trials}}

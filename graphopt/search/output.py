@@ -8,6 +8,8 @@ import math
 import os
 from pathlib import Path
 
+import tomli_w
+
 from graphopt import io
 from graphopt.data.metrics import METRICS, parse_budget
 from graphopt.errors import VerificationError
@@ -42,8 +44,6 @@ def write(result: SearchResult, out: str | os.PathLike, *, report: str | os.Path
 
     Nothing met the budget: only the report, when ``report`` names a file, and a VerificationError (exit 3).
     """
-    import tomli_w
-
     paths = paths_for(out)
     if report is not None:
         paths["report"] = Path(report)

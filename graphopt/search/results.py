@@ -9,6 +9,7 @@ from typing import Any
 
 from graphopt.data.metrics import METRICS, parse_budget
 from graphopt.engine import recipe as recipe_mod
+from graphopt.engine.report import json_safe
 from graphopt.search.trials import Trial
 
 
@@ -33,8 +34,6 @@ class SearchResult:
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
-        from graphopt.engine.report import json_safe
-
         return json_safe({
             "input": self.input, "budget": self.budget, "provider": self.provider, "metric": self.metric,
             "seconds": round(self.seconds, 1), "time_limit": self.time_limit, "workers": self.workers,

@@ -19,13 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from graphopt import io
+from graphopt.bench import bench_sessions
 from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import compare, parse_budget
+from graphopt.engine import pipeline
 from graphopt.engine import recipe as recipe_mod
+from graphopt.engine.options import OptimizeOptions
+from graphopt.engine.verify import run_model
 from graphopt.errors import GraphoptError
+from graphopt.runtime import session as runtime
 from graphopt.search.candidates import Candidate
 
 logger = logging.getLogger(__name__)
@@ -94,8 +100,6 @@ def _key(*parts: Any) -> str:
 
 
 def _from_bytes(data: bytes) -> ir.Model:
-    import onnx
-
     return ir.from_proto(onnx.load_model_from_string(data))
 
 
@@ -106,8 +110,6 @@ def _to_bytes(model: ir.Model) -> bytes:
 def _build(shared: _Shared, cand: Candidate, trial: Trial) -> ir.Model | None:
     """The candidate's model: each step through the pipeline (cached by its base and settings); None when a
     step declined (the trial says why)."""
-    from graphopt.engine import pipeline
-    from graphopt.engine.options import OptimizeOptions
 
     cache = _cache_dir(shared)
     model = None
@@ -143,10 +145,6 @@ def _build(shared: _Shared, cand: Candidate, trial: Trial) -> ir.Model | None:
 
 def run_trial(shared: _Shared, cand: Candidate, incumbent: tuple[str, bytes] | None) -> Trial:
     """Build one candidate, measure its quality and its speed (interleaved with the base and the incumbent)."""
-    from graphopt.bench import bench_sessions
-    from graphopt.engine.verify import run_model
-    from graphopt.runtime import session as runtime
-
     t0 = time.perf_counter()
     trial = Trial(cand.name, cand.base, cand.settings(), worker=f"{socket.gethostname()}:{os.getpid()}",
                   best_at_submit=incumbent[0] if incumbent else "")

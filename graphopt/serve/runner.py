@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from graphopt import io
 from graphopt.deploy import (
     DATATYPES,
     DEFAULT_MAX_LENGTH,
@@ -32,6 +33,7 @@ from graphopt.deploy import (
     signature,
 )
 from graphopt.errors import GraphoptError, ModelLoadError, UsageError, first_line
+from graphopt.runtime import session as runtime
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +65,6 @@ class Runner:
     def __init__(self, model_path: str | os.PathLike, *, name: str, provider: str = "cpu",
                  threads: int | None = None, max_length: int = DEFAULT_MAX_LENGTH, version: str = "1",
                  instances: int = 1):
-        from graphopt import io
-        from graphopt.runtime import session as runtime
-
         if instances < 1:
             raise UsageError(f"instances must be at least 1, got {instances}")
         threads = instance_threads(provider, instances, threads)

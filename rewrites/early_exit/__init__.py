@@ -69,6 +69,7 @@ from graphopt.rewrites.early_exit.graph import Builder, Exit, mask_input
 from graphopt.rewrites.early_exit.heads import Head, fit_head, fit_temperature, pool_features
 from graphopt.rewrites.early_exit.layers import find_layers
 from graphopt.rewrites.early_exit.thresholds import budget_target, calibrate, confidence, simulate
+from graphopt.runtime import session as runtime
 
 logger = logging.getLogger(__name__)
 
@@ -245,8 +246,6 @@ class _Run:
 
     def _collect(self, values: list[ir.Value], out: ir.Value, feeds: Sequence[Mapping[str, np.ndarray]]):
         """Run the model once with the layer outputs exposed: (hidden states per exit, final output, masks)."""
-        from graphopt.runtime import session as runtime
-
         g = self.model.graph
         extra = [v for v in values if v not in g.outputs]
         for v in extra:

@@ -36,14 +36,43 @@ import logging
 import types
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from onnxscript.rewriter import pattern
+from onnxscript.optimizer import optimize
+from onnxscript.rewriter import MatchingTracer, MatchStatus, pattern
+from onnxscript.rewriter.ort_fusions import (
+    attention,
+    bias_gelu,
+    cos_sin_cache,
+    erfgelu,
+    gelu,
+    gqa_packed_qkv,
+    mha_bias,
+    rms_normalization,
+    rotary_embedding,
+    sdpa,
+    shape_optimization,
+    skip_normalization,
+)
 
+from graphopt.analysis.fusion_status import fusion_status
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
-from graphopt.errors import PassError
-from graphopt.onnxscript_compat import exact_identity_constants
+from graphopt.errors import PassError, UsageError
+from graphopt.onnxscript_compat import exact_identity_constants, mha_scale_rules, sdpa_via_mha_rules
 from graphopt.opsets import FUSION_PLACEHOLDER_DOMAIN, MS_DOMAIN, default_opset
+from graphopt.rewrites.fuse.rules import mha as fuse_mha
+from graphopt.rewrites.fuse.rules.canonical import canonical_rules, shape_rules
+from graphopt.rewrites.fuse.rules.embed_layernorm import embed_layer_norm_rules
+from graphopt.rewrites.fuse.rules.gelu_tanh import tanh_gelu_rules
+from graphopt.rewrites.fuse.rules.gqa import gqa_rules
+from graphopt.rewrites.fuse.rules.layernorm import layer_norm_rules, layer_norm_scale_rules
+from graphopt.rewrites.fuse.rules.mask_index import MaskIndexStep
+from graphopt.rewrites.fuse.rules.residual_norm import ResidualNormStep
+from graphopt.rewrites.fuse.rules.rms_norm import RmsNormStep
+from graphopt.rewrites.fuse.rules.rotary_cache import rotary_cache_rules
+from graphopt.rewrites.fuse.rules.rotary_partial import partial_rotary_rules
+from graphopt.rewrites.fuse.rules.shapes import annotate_symbolic_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +97,6 @@ FUSED_OPS = (
 
 def _prepare(model: ir.Model) -> str | None:
     """Fold constants, infer shapes, simplify shape arithmetic; annotate symbolic shapes."""
-    from onnxscript.optimizer import optimize
-    from onnxscript.rewriter.ort_fusions import shape_optimization
-
-    from graphopt.rewrites.fuse.rules.shapes import annotate_symbolic_shapes
 
     try:
         common_passes.ShapeInferencePass()(model)
@@ -85,33 +110,6 @@ def _prepare(model: ir.Model) -> str | None:
 
 def _steps(opts: FusePass, provider: str) -> list[tuple[str, Any]]:
     """(rule family, onnxscript RewriteRuleSet or callable) in the order they must run."""
-    from onnxscript.rewriter.ort_fusions import (
-        attention,
-        bias_gelu,
-        cos_sin_cache,
-        erfgelu,
-        gelu,
-        gqa_packed_qkv,
-        mha_bias,
-        rms_normalization,
-        rotary_embedding,
-        sdpa,
-        skip_normalization,
-    )
-
-    from graphopt.onnxscript_compat import mha_scale_rules, sdpa_via_mha_rules
-    from graphopt.rewrites.fuse.rules import mha as fuse_mha
-    from graphopt.rewrites.fuse.rules.canonical import canonical_rules, shape_rules
-    from graphopt.rewrites.fuse.rules.embed_layernorm import embed_layer_norm_rules
-    from graphopt.rewrites.fuse.rules.gelu_tanh import tanh_gelu_rules
-    from graphopt.rewrites.fuse.rules.gqa import gqa_rules
-    from graphopt.rewrites.fuse.rules.layernorm import layer_norm_rules, layer_norm_scale_rules
-    from graphopt.rewrites.fuse.rules.mask_index import MaskIndexStep
-    from graphopt.rewrites.fuse.rules.residual_norm import ResidualNormStep
-    from graphopt.rewrites.fuse.rules.rms_norm import RmsNormStep
-    from graphopt.rewrites.fuse.rules.rotary_cache import rotary_cache_rules
-    from graphopt.rewrites.fuse.rules.rotary_partial import partial_rotary_rules
-
     def cse(model):
         common_passes.CommonSubexpressionEliminationPass()(model)
         return 0
@@ -216,7 +214,6 @@ def _why_not(step: Any, model: ir.Model, rule_name: str) -> str | None:
         return step.why_not(model)
     if callable(step):
         return None
-    from onnxscript.rewriter import MatchingTracer, MatchStatus
 
     tracer = MatchingTracer()
     step.apply_to_model(model, tracer=tracer)
@@ -255,7 +252,6 @@ class FusePass(GraphoptPass):
         skip_norm: str = "auto",
     ):
         super().__init__()
-        from graphopt.errors import UsageError
 
         if gelu not in ("auto", "off"):
             raise UsageError(f"fuse.gelu must be 'auto' or 'off', got {gelu!r}")
@@ -300,8 +296,6 @@ def _placeholders(model: ir.Model) -> list[ir.Node]:
 
 def _fuse(model: ir.Model, ctx: PassContext, opts) -> PassResult:
     """Run the fusion steps for the options on ``opts`` (a FusePass or the same fields) on ``model`` in place."""
-    from onnxscript.optimizer import optimize
-
     opset = default_opset(model)
     if opset < MIN_OPSET:
         return PassResult(model, False, notes=[f"fuse: opset {opset} < {MIN_OPSET}; graph left as it is"])
@@ -351,8 +345,6 @@ def _fold_weight_concats(model: ir.Model) -> int:
     start. Refuses (leaves the node) when an input is not a constant or is used elsewhere (folding
     would store the weight twice).
     """
-    import numpy as np
-
     done = 0
     for node in list(model.graph):
         if node.op_type != "Concat" or node.domain != "" or not node.inputs:
@@ -372,8 +364,6 @@ def _fold_weight_concats(model: ir.Model) -> int:
 
 def _explain(model: ir.Model, misses: list[str]) -> list[str]:
     """Why expected sites stayed unfused: the fusion status plus each idle rule's best near-miss."""
-    from graphopt.analysis.fusion_status import fusion_status
-
     status = fusion_status(model)
     notes = []
     after_add = status.get("layer_norm_after_add", 0)

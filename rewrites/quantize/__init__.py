@@ -59,6 +59,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from graphopt import io, memory
@@ -73,6 +74,7 @@ from graphopt.rewrites.common import lossy
 from graphopt.rewrites.quantize import qdq
 from graphopt.rewrites.quantize import smooth as smooth_mod
 from graphopt.rewrites.quantize import targets as targets_mod
+from graphopt.rewrites.quantize.int4 import gptq_int4
 from graphopt.rewrites.quantize.search import Outcome, Search
 from graphopt.rewrites.quantize.targets import QConfig, Target
 from graphopt.runtime import session as runtime
@@ -231,7 +233,6 @@ class QuantizePass(GraphoptPass):
             """GPTQ of the layers reading ``name`` as soon as its XᵀX is complete; XᵀX is then dropped."""
             if st.xtx is None:
                 return
-            from graphopt.rewrites.quantize.int4 import gptq_int4
 
             readers = [t for t in targets if t.kind == "matmul" and t.act is not None and t.act.name == name]
             for t in readers:
@@ -368,7 +369,6 @@ class QuantizePass(GraphoptPass):
     def _integer_ops_note(self, model: ir.Model) -> str:
         """Which nodes ORT (CPU, all optimizations) actually runs as integer ops."""
         try:
-            import onnx
             import onnxruntime as ort
 
             with tempfile.TemporaryDirectory(prefix="graphopt-q-") as d, \

@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN, default_opset
+from graphopt.rewrites.quantize.int4 import pack_int4, rtn_int4
 from graphopt.rewrites.quantize.numeric import act_qparams, quantize_weight
 from graphopt.rewrites.quantize.targets import QConfig, Target, const_array, sum_bias_index
 from graphopt.runtime.contrib import attention_inputs
@@ -319,8 +320,6 @@ def _unfuse_embed(b: _Builder, node: ir.Node, qv: ir.Value, sv: ir.Value, pre: s
 
 
 def _int4_node(b: _Builder, t: Target, cfg: QConfig, w: np.ndarray, bias: np.ndarray | None, pre: str) -> ir.Node:
-    from graphopt.rewrites.quantize.int4 import pack_int4, rtn_int4
-
     k, n = w.shape
     q, scales = cfg.int4_q if cfg.int4_q is not None else rtn_int4(w, cfg.block_size)
     packed = pack_int4(q, cfg.block_size)

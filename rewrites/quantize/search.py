@@ -19,6 +19,7 @@ from graphopt.rewrites.common import activations as calib_mod
 from graphopt.rewrites.common import lossy
 from graphopt.rewrites.quantize import numeric
 from graphopt.rewrites.quantize import smooth as smooth_mod
+from graphopt.rewrites.quantize.int4 import dequant_int4, rtn_int4
 from graphopt.rewrites.quantize.targets import QConfig, Target
 from graphopt.runtime import session as runtime
 from graphopt.runtime import standins
@@ -218,7 +219,6 @@ class Search:
             if st is None or st.rows is None or cfg.mode not in ("dynamic", "static", "int4"):
                 return None
             if cfg.mode == "int4":
-                from graphopt.rewrites.quantize.int4 import dequant_int4, rtn_int4
 
                 w = t.weight_array
                 q, scales = cfg.int4_q if cfg.int4_q is not None else rtn_int4(w, cfg.block_size)

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.runtime.session import make_session
+
 #: (batch, seq) of the two probe runs: small primes that collide with no model dimension
 PROBES = ((3, 7), (5, 11))
 
@@ -57,8 +59,6 @@ def probe_labels(model: ir.Model, mask: ir.Value) -> DimLabels:
 
     Raises whatever ONNX Runtime raises when the model cannot run (the caller refuses).
     """
-    from graphopt.runtime.session import make_session
-
     graph = model.graph
     mask_dims = list(mask.shape.dims) if mask.shape is not None else []
     if len(mask_dims) != 2:

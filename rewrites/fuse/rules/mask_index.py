@@ -44,6 +44,7 @@ from graphopt.errors import first_line
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites.fuse.steps import ReasonedStep
 from graphopt.runtime.contrib import attention_inputs
+from graphopt.runtime.session import make_session
 
 #: the masked value must be at least this negative to count as a padding mask
 MAX_FILTER = -1e4
@@ -213,8 +214,6 @@ class MaskIndexStep(ReasonedStep):
 
 def _evaluate(model: ir.Model, pairs: list[tuple[ir.Value, ir.Value]]) -> dict[int, tuple[ir.Value, float] | str]:
     """Evaluate each bias on the probe masks; (mask, c) when standard, else a reason."""
-    from graphopt.runtime.session import make_session
-
     out: dict[int, tuple[ir.Value, float] | str] = {}
     added = [b for b, _ in pairs if b not in model.graph.outputs]
     model.graph.outputs.extend(added)

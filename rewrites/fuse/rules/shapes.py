@@ -26,6 +26,7 @@ import logging
 
 import onnx_ir as ir
 
+from graphopt.analysis.shapes import symbolic_infer
 from graphopt.errors import first_line
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ def _dims(vi) -> list[int | str | None] | None:
 
 def annotate_symbolic_shapes(model: ir.Model) -> str | None:
     """Write ONNX Runtime's symbolic shapes onto ``model``'s values; return a reason on failure."""
-    from graphopt.analysis.shapes import symbolic_infer
-
     ml = sorted({n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == "ai.onnx.ml"})
     if ml:
         return f"symbolic shape inference does not model ai.onnx.ml ops ({', '.join(ml)})"
