@@ -53,6 +53,25 @@ class AddNoOp(GraphoptPass):
         return PassResult(model, True)
 
 
+class LeavesUntyped(GraphoptPass):
+    """Test-only: routes the first output through an Identity whose output has no element type (the model
+    cannot be serialized, as after a pass that forgot a dtype)."""
+
+    name = "test-untyped"
+    exact = True
+
+    def call(self, model, ctx):
+        g = model.graph
+        out = g.outputs[0]
+        node = ir.node("Identity", [out], num_outputs=1)
+        g.append(node)
+        new = node.outputs[0]
+        new.name, out.name = out.name, out.name + "_pre"
+        new.type = ir.TensorType(None)
+        g.outputs[0] = new
+        return PassResult(model, True)
+
+
 class Crashes(GraphoptPass):
     """Test-only: raises."""
 
@@ -75,9 +94,22 @@ class KeepsState(GraphoptPass):
 @pytest.fixture(autouse=True)
 def _test_passes():
     """The test passes live in a local registry, active only inside each test of this module."""
-    local = registry.with_builtins(CorruptWeight, AddNoOp, Crashes, KeepsState, NudgeWeights)
+    local = registry.with_builtins(CorruptWeight, AddNoOp, LeavesUntyped, Crashes, KeepsState, NudgeWeights)
     with registry.using(local):
         yield local
+
+
+def test_unserializable_pass_output_is_a_failed_pass(run_cli, mlp_path, tmp_path):
+    """A pass whose model cannot be serialized is rolled back like any failed pass (exit 0 and the recipe goes
+    on; exit 3 under --strict), never a crash with exit 1."""
+    out = tmp_path / "out.onnx"
+    code, _, stderr = run_cli("optimize", mlp_path, "-o", out, "--passes", "test-untyped,cleanup")
+    assert code == 0, stderr
+    assert "warning: pass 'test-untyped' rolled-back" in stderr
+    assert out.exists()
+    code, _, stderr = run_cli("optimize", mlp_path, "-o", tmp_path / "strict.onnx", "--passes", "test-untyped",
+                              "--strict")
+    assert code == 3 and not (tmp_path / "strict.onnx").exists(), stderr
 
 
 def test_lossless_pass_failing_is_rolled_back_and_the_run_goes_on(run_cli, mlp_path, tmp_path):
@@ -379,3 +411,13 @@ def test_unmet_budget_fails_unless_keep_going(run_cli, mlp_path, tmp_path):
     rep = json.loads((tmp_path / "r.json").read_text())
     assert any("kept as it was before 'test-nudge'" in n for n in rep["passes"][1]["notes"])
     assert "warning: pass 'test-nudge' budget-not-met" in err
+
+
+def test_budget_with_only_lossless_passes_is_a_usage_error(run_cli, mlp_path, tmp_path):
+    """--budget on a run of lossless passes only would be ignored: it is refused in one line (exit 2)."""
+    code, _, err = run_cli("optimize", mlp_path, "-o", tmp_path / "o.onnx", "--budget", "cosine>=0.99")
+    assert code == 2 and "only lossless" in err.splitlines()[0], err
+    assert not (tmp_path / "o.onnx").exists()
+    code, _, err = run_cli("optimize", mlp_path, "-o", tmp_path / "q.onnx", "--passes", "cleanup,quantize",
+                           "--budget", "cosine>=0.9")
+    assert code in (0, 3), err  # a lossy pass takes it

@@ -151,7 +151,7 @@ def render(report, console=None) -> None:
             f"{p.seconds:.2f}",
             f"{p.nodes_before} → {p.nodes_after}",
             delta or "-",
-            _fmt_verif(p.verification),
+            ("held-back: " if not p.exact and "max_abs" in p.verification else "") + _fmt_verif(p.verification),
         )
     console.print(t)
     for p in report.passes:
@@ -166,7 +166,8 @@ def render(report, console=None) -> None:
         console.print(f"[yellow]numerics {report.numerics}[/]", highlight=False)
     summary = f"{report.nodes_before} → {report.nodes_after} nodes in {report.seconds:.2f} s"
     if report.final:
-        summary += " · vs input: " + _fmt_verif(report.final)
+        n = report.feeds.split(" ", 1)[0] if report.feeds and report.feeds[0].isdigit() else ""
+        summary += f" · output vs input on all {n} feeds: ".replace("all  feeds", "all feeds") + _fmt_verif(report.final)
     console.print(summary, highlight=False)
 
 

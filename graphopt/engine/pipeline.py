@@ -29,7 +29,7 @@ from graphopt.data.metrics import compare
 from graphopt.engine import provenance, registry
 from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.report import PassRecord, Report
-from graphopt.engine.verify import check_level, check_structure, run_model, run_session, verify
+from graphopt.engine.verify import Verdict, check_level, check_structure, run_model, run_session, verify
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
 from graphopt.opsets import count_nodes, op_delta, op_histogram
 from graphopt.runtime import session_hints, standins
@@ -194,16 +194,24 @@ def optimize(
             tv = time.perf_counter()
             sliced = result.sliced_outputs if result is not None else {}
             step_prev = _slice_outputs(prev_out, sliced)
-            if p.exact:
-                verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=step_prev,
-                                 atol=p.atol, rtol=p.rtol, provider="cpu", where=f"after pass {p.name!r}")
-            else:
-                # the budget is confirmed on the feeds held back from calibration
-                verdict = verify(candidate, level=verify_level, feeds=check_feeds,
-                                 reference=None if reference is None else _slice_outputs(reference, sliced)[held_from:],
-                                 budget=step_budget, provider="cpu", where=f"after pass {p.name!r}")
-                if verdict.ok and verdict.outputs is not None and held_from:
-                    verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
+            where = f"after pass {p.name!r}"
+            try:
+                if p.exact:
+                    verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=step_prev,
+                                     atol=p.atol, rtol=p.rtol, provider="cpu", where=where)
+                else:
+                    # the budget is confirmed on the feeds held back from calibration
+                    verdict = verify(candidate, level=verify_level, feeds=check_feeds,
+                                     reference=None if reference is None else _slice_outputs(reference, sliced)[held_from:],
+                                     budget=step_budget, provider="cpu", where=where)
+                    if verdict.ok and verdict.outputs is not None and held_from:
+                        verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
+            except (GraphoptError, TypeError, AttributeError, ValueError) as e:
+                # a model the pass left unserializable or mistyped (a value without an element type, ...) is
+                # the pass failing, never a crash of the run
+                logger.debug("verifying %s raised", p.name, exc_info=True)
+                msg = e.message if isinstance(e, GraphoptError) else f"{type(e).__name__}: {e}"
+                verdict = Verdict(verify_level, False, reason=f"{where}: {msg}")
             memory.trim()
             rec.verification = {"level": verify_level, "seconds": round(time.perf_counter() - tv, 3),
                                 **verdict.numbers()}
@@ -274,6 +282,11 @@ def optimize_file(
     """
     o = options if options is not None else OptimizeOptions()
     io.check_output_path(model, output, in_place=in_place)
+    if o.resolve_budget():
+        names = o.resolve_recipe().pass_names()
+        if all(registry.get(n).exact for n in names):
+            raise UsageError(f"--budget applies to lossy passes; this run has only lossless ones ({', '.join(names)})",
+                             hint="drop --budget, or run a lossy pass too (e.g. --recipe int8)")
     if Path(model).is_file():
         memory.plan(model, o.verify_level, o.memory_limit())
     result = optimize(model, o, on_step=on_step)
