@@ -38,6 +38,7 @@ class ExportResult:
     parity: object  # parity.ParityResult
     seconds: float
     fallback: str | None = None  # why dynamo was abandoned for TorchScript
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. which GGUF blocks became which form
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -50,7 +51,7 @@ def export(
     src: str | os.PathLike,
     output: str | os.PathLike,
     *,
-    task: str = "feature-extraction",
+    task: str | None = None,
     exporter: str | None = None,
     attn: str | None = None,
     opset: int | None = None,
@@ -58,7 +59,11 @@ def export(
     atol: float | None = None,
     external_data: bool | None = None,
 ) -> ExportResult:
-    """Export ``src`` (HF model folder or ``module:function``) to ``output`` with a parity gate.
+    """Export ``src`` (HF model folder, ``module:function`` or ``.gguf`` file) to ``output`` with a parity gate.
+
+    ``task``: default ``feature-extraction``; ``causal-lm-with-past`` for a ``.gguf`` decoder, whose
+    ``output`` is a folder (``model.onnx`` with the GGUF blocks kept exactly, and the tokenizer; see
+    ``gguf_export``).
 
     ``exporter``: "dynamo" or "torchscript"; None means dynamo with a TorchScript fallback.
     ``attn``: transformers attention implementation ("eager" or "sdpa"; None: the model's default).
@@ -68,6 +73,13 @@ def export(
     from graphopt import io
     from graphopt.exporters import backends, parity, sources, tasks
 
+    if str(src).lower().endswith(".gguf"):
+        if dtype != "fp32":
+            raise UsageError("a GGUF source exports as fp32 plus its quantized blocks", hint="drop --dtype")
+        from graphopt.exporters.gguf_export import export_gguf
+
+        return export_gguf(src, output, task=task, exporter=exporter, attn=attn, opset=opset, atol=atol)
+    task = task or "feature-extraction"
     t0 = time.perf_counter()
     spec = tasks.get_task(task)
     if exporter is not None and exporter not in backends.EXPORTERS:
