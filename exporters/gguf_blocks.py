@@ -96,7 +96,7 @@ def apply(model: ir.Model, g: gguf.GGUFModel) -> BlockReport:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
         a, b = node.inputs
-        if b is None or b.const_value is None or b.shape is None or len(b.shape) != 2:
+        if b is None or b.const_value is None or len(b.const_value.shape) != 2:
             continue
         hit = table.get(_digest(b.const_value.numpy().T))
         if hit is None:
@@ -113,7 +113,7 @@ def apply(model: ir.Model, g: gguf.GGUFModel) -> BlockReport:
         report.matmulnbits.append(hf)
         done.add(hf)
     for value in list(graph.initializers.values()):
-        if value.const_value is None or value.const_value.dtype != ir.DataType.FLOAT or len(value.shape or ()) != 2:
+        if value.const_value is None or value.const_value.dtype != ir.DataType.FLOAT or len(value.const_value.shape) != 2:
             continue
         if not value.uses():
             continue
@@ -160,12 +160,12 @@ def _to_matmulnbits(graph: ir.Graph, node: ir.Node, a: ir.Value, t: gguf.GGUFTen
     add.outputs[0].name = _unique(graph, stem + ".out")
     add.outputs[0].dtype, add.outputs[0].shape = ir.DataType.FLOAT, out.shape
     graph.insert_before(node, [nbits, blocks, sums, corr, add])
-    ir.convenience.replace_all_uses_with(out, add.outputs[0])
-    if out.is_graph_output():
-        idx = [i for i, o in enumerate(graph.outputs) if o is out]
-        for i in idx:
-            graph.outputs[i] = add.outputs[0]
-        add.outputs[0].name, out.name = out.name, out.name + ".fp32"
+    was_output = out.is_graph_output()
+    out.replace_all_uses_with(add.outputs[0], replace_graph_outputs=True)
+    if was_output:  # a graph output keeps its name
+        name = out.name
+        out.name = _unique(graph, name + ".fp32")
+        add.outputs[0].name = name
     graph.remove(node, safe=True)
 
 
