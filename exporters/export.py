@@ -19,6 +19,7 @@ from pathlib import Path
 from graphopt import io
 from graphopt.errors import ExportError, RuntimeSetupError, UsageError
 from graphopt.exporters import backends, parity, sources, tasks
+from graphopt.exporters.gguf_export import export_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class ExportResult:
     parity: object  # parity.ParityResult
     seconds: float
     fallback: str | None = None  # why dynamo was abandoned for TorchScript
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. which GGUF blocks became which form
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -52,7 +54,7 @@ def export(
     src: str | os.PathLike,
     output: str | os.PathLike,
     *,
-    task: str = "feature-extraction",
+    task: str | None = None,
     exporter: str | None = None,
     attn: str | None = None,
     opset: int | None = None,
@@ -60,13 +62,23 @@ def export(
     atol: float | None = None,
     external_data: bool | None = None,
 ) -> ExportResult:
-    """Export ``src`` (HF model folder or ``module:function``) to ``output`` with a parity gate.
+    """Export ``src`` (HF model folder, ``module:function`` or ``.gguf`` file) to ``output`` with a parity gate.
+
+    ``task``: default ``feature-extraction``; ``causal-lm-with-past`` for a ``.gguf`` decoder, whose
+    ``output`` is a folder (``model.onnx`` with the GGUF blocks kept exactly, and the tokenizer; see
+    ``gguf_export``).
 
     ``exporter``: "dynamo" or "torchscript"; None means dynamo with a TorchScript fallback.
     ``attn``: transformers attention implementation ("eager" or "sdpa"; None: the model's default).
     ``atol``: max absolute difference allowed per output on real tokens (default 1e-4 fp32, 1e-2 fp16).
     Raises ExportError, ParityError (exit 3) or UsageError; on any failure no file is written.
     """
+    if str(src).lower().endswith(".gguf"):
+        if dtype != "fp32":
+            raise UsageError("a GGUF source exports as fp32 plus its quantized blocks", hint="drop --dtype")
+        return export_gguf(src, output, task=task, exporter=exporter, attn=attn, opset=opset, atol=atol,
+                           export_hf=export)
+    task = task or "feature-extraction"
     t0 = time.perf_counter()
     spec = tasks.get_task(task)
     if exporter is not None and exporter not in backends.EXPORTERS:
@@ -157,3 +169,9 @@ def check_parity(
         str(model_path), prep.reference, prep.feeds, prep.input_names, prep.output_names,
         atol=parity.DEFAULT_ATOL[dtype] if atol is None else atol, fp16_inputs=dtype == "fp16", src=str(model_path),
     )
+
+
+def export_gguf_file(src, output, **options):
+    """Export a GGUF decoder (``graphopt.exporters.gguf_export.export_gguf``'s options: ``keep_fp32``,
+    ``hf_folder``, ``task``, ``atol``, ...) through this module's Hugging Face exporter."""
+    return export_gguf(src, output, export_hf=export, **options)

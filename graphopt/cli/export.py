@@ -14,16 +14,16 @@ from graphopt.cli.options import Json
 
 
 def command(
-    src: Annotated[str, typer.Argument(help="Hugging Face model folder (config + weights), or module:function.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="ONNX file to write.")],
+    src: Annotated[str, typer.Argument(help="Hugging Face model folder (config + weights), module:function, or a .gguf decoder.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="ONNX file to write (a folder for .gguf).")],
     task: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--task",
             help="feature-extraction, sequence-classification, token-classification, masked-lm, "
-            "causal-lm, causal-lm-with-past.",
+            "causal-lm, causal-lm-with-past (default: feature-extraction; causal-lm-with-past for .gguf).",
         ),
-    ] = "feature-extraction",
+    ] = None,
     exporter: Annotated[
         str | None,
         typer.Option("--exporter", help="dynamo or torchscript (default: dynamo, falling back to torchscript)."),
@@ -43,7 +43,7 @@ def command(
     from graphopt.cli.console import make_console
     from graphopt.exporters import export
 
-    with make_console(stderr=True).status(f"exporting {src} ({task}) and checking parity with PyTorch ..."):
+    with make_console(stderr=True).status(f"exporting {src} ({task or 'default task'}) and checking parity with PyTorch ..."):
         result = export(src, output, task=task, exporter=exporter, attn=attn, opset=opset, dtype=dtype, atol=atol)
     if json_out:
         import json
@@ -72,3 +72,5 @@ def _print(result) -> None:
         f"wrote {result.path}: {result.exporter} exporter, {result.attn or 'unknown'} attention, "
         f"opset {result.opset}, {result.nodes} nodes, {result.dtype}, {result.seconds:.1f}s"
     )
+    for note in getattr(result, "notes", None) or []:
+        console.print(f"  {note}", markup=False, highlight=False)
