@@ -18,18 +18,23 @@ attention contrib op); the layer outputs are the cuts that open layers 2..N plus
 post-LN encoders of BERT/MiniLM (TorchScript or dynamo, fused or not, quantized or not) have them;
 pre-LN graphs (the residual bypasses the norms) do not, and the pass refuses naming what it found.
 
-Exit heads read pooled features of ``h_k`` (``pool``: the first token, the mask-weighted mean, or both
-concatenated) and are one of: ``linear`` (ridge regression to the final logits), ``logistic``
+Exit heads pool ``h_k`` as the model's own head pools the last layer output: ``pool=auto`` (the
+default) reads it from the graph between the last layer and the logits (``pooling.read_pooling``: the
+first token, the masked mean, the max over tokens or the last token; the notes say which) and falls back
+to ``cls+mean`` (both concatenated) when it finds none; ``cls``, ``mean``, ``max``, ``last`` and
+``cls+mean`` ask for one. Heads are one of: ``linear`` (ridge regression to the final logits), ``logistic``
 (soft-target multinomial regression) or ``mlp`` (one tanh hidden layer, soft targets); each gets a
 softmax temperature fitted on held-back rows. ``head=auto`` picks, per exit, the kind that agrees best
 with the full model on rows not used to fit it.
 
-Calibration rows (every row of ``ctx.calib_feeds``) are split in three: *fit* (heads), *tune*
-(temperature, head choice, threshold) and *confirm*. The threshold is the cheapest one whose argmax
-agreement with the full model meets the budget's ``top1`` on the tune rows with a safety margin: the
-one-sided Clopper-Pearson lower bound at ``confidence`` (default 0.95; 0 = the plain tune agreement)
-must reach the budget, so a few hundred tune rows cannot pass a threshold by luck; the plain agreement
-must also hold on the confirm rows (else the next stricter one is tried). Criteria: ``maxprob`` (max softmax probability >=
+Calibration rows (every row of ``ctx.calib_feeds``) are split 2:1:2: *fit* (heads), *tune*
+(temperature, head choice, candidate thresholds, the cost of each) and *confirm* (certification). A
+threshold is certified when its argmax agreement with the full model on the confirm rows has a
+one-sided Clopper-Pearson lower bound at ``confidence`` (default 0.95; 0 = the plain agreement) that
+reaches the budget's ``top1``; candidates are tested strictest first up to the first failure (a
+fixed-sequence test) and the cheapest certified one is taken. Before any of that the pass computes how
+many error-free confirm rows the budget needs (``top1>=0.99`` at 0.95: 299) and refuses, naming that
+number, the confirm rows it has and the best ``top1`` they can certify, when there are too few. Criteria: ``maxprob`` (max softmax probability >=
 t), ``entropy`` (1 - entropy/log(classes) >= t, DeeBERT) and ``patience`` (the last ``t`` exits agree
 on the class, PABEE).
 
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -65,9 +71,11 @@ from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, regi
 from graphopt.errors import UsageError
 from graphopt.rewrites.common import lossy
 from graphopt.rewrites.common.bounds import agreement_lower_bound
+from graphopt.rewrites.early_exit import thresholds
 from graphopt.rewrites.early_exit.graph import Builder, Exit, mask_input
 from graphopt.rewrites.early_exit.heads import Head, fit_head, fit_temperature, pool_features
 from graphopt.rewrites.early_exit.layers import find_layers
+from graphopt.rewrites.early_exit.pooling import read_pooling
 from graphopt.rewrites.early_exit.thresholds import budget_target, calibrate, confidence, simulate
 from graphopt.runtime import session as runtime
 
@@ -76,7 +84,7 @@ logger = logging.getLogger(__name__)
 CRITERIA = ("maxprob", "entropy", "patience")
 MODES = ("batch", "row")
 HEADS = ("auto", "linear", "logistic", "mlp")
-POOLS = ("cls", "mean", "cls+mean")
+POOLS = ("auto", "cls", "mean", "max", "last", "cls+mean")
 #: fewest calibration rows the pass accepts (fit / tune / confirm need some each)
 MIN_ROWS = 24
 
@@ -93,7 +101,7 @@ class EarlyExitPass(GraphoptPass):
     default_budget = "top1>=0.99"
 
     def __init__(self, *, layers: str = "", criterion: str = "maxprob", threshold: float = -1.0,
-                 mode: str = "batch", head: str = "auto", pool: str = "cls+mean", exit_output: str = "",
+                 mode: str = "batch", head: str = "auto", pool: str = "auto", exit_output: str = "",
                  min_layer: int = 1, seed: int = 0, confidence: float = 0.95):
         super().__init__()
         for opt, val, allowed in (("criterion", criterion, CRITERIA), ("mode", mode, MODES),
@@ -134,6 +142,8 @@ class _Run:
     ctx: PassContext
     #: the budget and the notes
     s: lossy.BudgetSearch
+    #: the pooling the exit heads use (``pool``, or what the graph shows for ``auto``)
+    pool: str = ""
 
     @property
     def budget(self) -> metrics.Budget:
@@ -168,6 +178,14 @@ class _Run:
         out = g.outputs[0]
         n_layers = len(layers)
         self.notes.append(f"layers: {n_layers} found (outputs of {', '.join(repr(v.name) for v in layers)})")
+        self.pool = self.p.pool
+        if self.pool == "auto":
+            read, how = read_pooling(g, layers[-1], out)
+            self.pool = read or "cls+mean"
+            self.notes.append(f"pooling: {read} (read from the graph: {how})" if read else
+                              f"pooling: cls+mean ({how}; pool=auto falls back to both)")
+        else:
+            self.notes.append(f"pooling: {self.pool} (pool={self.pool})")
         wanted = list(self.p.layer_list) or list(range(self.p.min_layer, n_layers))
         bad = [k for k in wanted if k >= n_layers]
         if bad:
@@ -183,7 +201,7 @@ class _Run:
             return self.refuse(f"{rows} calibration rows; early-exit needs at least {MIN_ROWS}")
         rng = np.random.default_rng(self.p.seed)
         order = rng.permutation(rows)
-        fit, tune, confirm = order[: rows // 2], order[rows // 2 : rows * 3 // 4], order[rows * 3 // 4 :]
+        fit, tune, confirm = order[: rows * 2 // 5], order[rows * 2 // 5 : rows * 3 // 5], order[rows * 3 // 5 :]
         classifier = final.ndim == 2 and final.shape[1] >= 2 and out.shape is not None and len(out.shape) == 2
         if not classifier:
             return self._refuse_embeddings(hs, final, masks, wanted, fit, tune)
@@ -191,7 +209,16 @@ class _Run:
         if target is None:
             return self.refuse(f"budget {self.budget} has no top1 term; early-exit calibrates class agreement "
                                "(e.g. --budget 'top1>=0.99')")
-        feats = [pool_features(h, masks, self.p.pool) for h in hs]
+        if self.p.threshold < 0:
+            need = thresholds.rows_needed(target, self.p.confidence)
+            if len(confirm) < need:
+                best = agreement_lower_bound(len(confirm), len(confirm), self.p.confidence)
+                return self.refuse(
+                    f"top1>={target:g} needs >= {need} confirm rows at {self.p.confidence:g} confidence; the "
+                    f"calibration data gives {len(confirm)} confirm rows ({rows} rows, 2/5 of them to "
+                    f"confirm), which can certify at most top1>={best:.4f} (about {math.ceil(need * 5 / 2)} "
+                    "calibration rows needed, or a lower top1 budget / confidence)", budget_met=False)
+        feats = [pool_features(h, masks, self.pool) for h in hs]
         labels = final.argmax(-1)
         exits, table = [], []
         for k, x in zip(wanted, feats):
@@ -208,9 +235,9 @@ class _Run:
             threshold = calibrate(preds, scores, labels, layer_of, target, tune, confirm, n_layers,
                                   criterion=self.p.criterion, confidence=self.p.confidence, note=self.notes.append)
             if threshold is None:
-                return self.refuse(f"no threshold meets {self.budget} on both the tune rows (lower bound at "
-                                   f"confidence {self.p.confidence:g}) and the confirm rows "
-                                   f"({len(tune)}/{len(confirm)} rows); " + "; ".join(table), budget_met=False)
+                return self.refuse(f"no threshold meets {self.budget} on the confirm rows (lower bound at "
+                                   f"confidence {self.p.confidence:g}, {len(confirm)} rows) with an early exit; "
+                                   + "; ".join(table), budget_met=False)
         measured: dict[str, float] = {}
         for part, idx in (("tune", tune), ("confirm", confirm)):
             ex, pr = simulate(preds[:, idx], scores[:, idx], labels[idx], self.p.criterion, threshold)
@@ -230,7 +257,7 @@ class _Run:
         chosen = [Exit(exits[j][0], layers[exits[j][0] - 1], exits[j][1]) for j in keep]
         if not chosen:
             return self.refuse(f"threshold {threshold:g} makes no row exit early on calibration", budget_met=None)
-        why = Builder(self.p, self.model, batch_dim, n_layers, threshold).build(chosen)
+        why = Builder(self.p, self.model, batch_dim, n_layers, threshold, self.pool).build(chosen)
         if why:
             return self.refuse(why)
         self.notes.append(f"{self.p.criterion} threshold {threshold:g}, mode {self.p.mode}, exits after layers "
@@ -308,7 +335,7 @@ class _Run:
                 got = (np.concatenate([h[tune], np.ones(h[tune].shape[:2] + (1,), np.float32)], -1) @ wb)
                 got = got.astype(np.float32)
             else:
-                x = pool_features(h, masks, self.p.pool)
+                x = pool_features(h, masks, self.pool)
                 flat = final.reshape(final.shape[0], -1)
                 head = fit_head("linear", x[fit], flat[fit])
                 got = head.logits(x[tune]).reshape((len(tune),) + final.shape[1:])

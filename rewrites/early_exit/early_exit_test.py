@@ -22,9 +22,10 @@ from graphopt.runtime import session as runtime
 LAYERS, HIDDEN, CLASSES, VOCAB = 3, 16, 3, 40
 
 
-def _tiny_encoder(*, seed: int = 0, classifier: bool = True) -> ir.Model:
+def _tiny_encoder(*, seed: int = 0, classifier: bool = True, pooling: str = "cls") -> ir.Model:
     """ids, mask [batch, seq] -> embeddings + LN -> 3 post-LN layers (1-head attention, ReLU FFN) ->
-    first-token Gemm -> logits [batch, 3] (or the last hidden state [batch, seq, 16])."""
+    first-token (``pooling="mean"``: masked mean, as sentence-transformers export it) Gemm -> logits
+    [batch, 3] (or the last hidden state [batch, seq, 16])."""
     rng = np.random.default_rng(seed)
     batch, seq = ir.SymbolicDim("batch"), ir.SymbolicDim("sequence")
     ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([batch, seq]))
@@ -37,6 +38,9 @@ def _tiny_encoder(*, seed: int = 0, classifier: bool = True) -> ir.Model:
         return tape.initializer(ir.tensor(rng.normal(0, scale, shape).astype(np.float32), name=f"w{next(count)}"))
 
     def ln(x):
+        if pooling == "mean":  # unit-scale norms: the pooled tokens, not the biases, decide the class
+            gamma = tape.initializer(ir.tensor(np.ones(HIDDEN, np.float32), name=f"w{next(count)}"))
+            return tape.op("LayerNormalization", [x, gamma, w(HIDDEN, scale=0.01)], {"axis": -1})
         return tape.op("LayerNormalization", [x, w(HIDDEN, scale=0.1), w(HIDDEN, scale=0.1)], {"axis": -1})
 
     h = ln(tape.op("Gather", [w(VOCAB, HIDDEN, scale=1.0), ids]))
@@ -52,7 +56,16 @@ def _tiny_encoder(*, seed: int = 0, classifier: bool = True) -> ir.Model:
         h1 = ln(tape.op("Add", [tape.op("MatMul", [ctx, w(HIDDEN, HIDDEN)]), h]))
         f = tape.op("MatMul", [tape.op("Relu", [tape.op("MatMul", [h1, w(HIDDEN, 32)])]), w(32, HIDDEN)])
         h = ln(tape.op("Add", [f, h1]))
-    if classifier:
+    if classifier and pooling == "mean":
+        m = tape.op("Cast", [tape.op("Unsqueeze", [mask, tape.initializer(ir.tensor(np.array([-1], np.int64),
+                                                                               name="axes_last"))])],
+                    {"to": ir.DataType.FLOAT})
+        num = tape.op("ReduceSum", [tape.op("Mul", [h, m]), axes], {"keepdims": 0})
+        eps = tape.initializer(ir.tensor(np.array(1e-9, np.float32), name="eps"))
+        den = tape.op("Clip", [tape.op("ReduceSum", [m, axes], {"keepdims": 0}), eps])
+        out = tape.op("Gemm", [tape.op("Div", [num, den]), w(HIDDEN, CLASSES, scale=2.0), w(CLASSES, scale=0.01)])
+        out.name = "logits"
+    elif classifier:
         zero = tape.initializer(ir.tensor(np.array(0, np.int64), name="zero"))
         out = tape.op("Gemm", [tape.op("Gather", [h, zero], {"axis": 1}), w(HIDDEN, CLASSES), w(CLASSES)])
         out.name = "logits"
@@ -75,6 +88,23 @@ def _feeds(n: int, batch: int = 8, seed: int = 1) -> list[dict[str, np.ndarray]]
         mask = np.ones((batch, seq), np.int64)
         for r in range(batch):
             mask[r, int(rng.integers(2, seq + 1)) :] = 0
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _topic_feeds(n: int, batch: int = 16, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    """Rows of one of 4 topics each: most tokens from the topic's 8 words, a few from the whole vocabulary."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        seq = int(rng.integers(6, 12))
+        topic = rng.integers(0, 4, batch)
+        ids = (topic[:, None] * 8 + rng.integers(0, 8, (batch, seq))).astype(np.int64)
+        noise = rng.random((batch, seq)) < 0.05
+        ids[noise] = rng.integers(0, VOCAB, int(noise.sum()))
+        mask = np.ones((batch, seq), np.int64)
+        for r in range(batch):
+            mask[r, int(rng.integers(4, seq + 1)) :] = 0
         out.append({"input_ids": ids, "attention_mask": mask})
     return out
 
@@ -132,16 +162,16 @@ def test_never_exit_equals_original_exactly(mode, criterion):
 
 
 @pytest.mark.parametrize("mode", ["batch", "row"])
-@pytest.mark.parametrize("k", [1, 2])
-def test_always_exit_at_layer_k_equals_its_head(mode, k):
+@pytest.mark.parametrize("k,pool", [(1, "cls+mean"), (2, "cls+mean"), (1, "max"), (2, "last")])
+def test_always_exit_at_layer_k_equals_its_head(mode, k, pool):
     base = _tiny_encoder()
     model, calib, feeds = _tiny_encoder(), _feeds(6), _feeds(3, seed=7)
-    result = _apply(model, calib, mode=mode, threshold=0.0, layers=str(k), head="mlp", pool="cls+mean",
+    result = _apply(model, calib, mode=mode, threshold=0.0, layers=str(k), head="mlp", pool=pool,
                     exit_output="exit_layer")
     assert result.modified
     got = _run(model, feeds)
     for g, h, f in zip(got, _hidden(base, k, feeds), feeds):
-        want = _head_logits(model, k, h, f["attention_mask"], "cls+mean")
+        want = _head_logits(model, k, h, f["attention_mask"], pool)
         np.testing.assert_allclose(g["logits"], want, rtol=1e-4, atol=1e-4)
         assert (g["exit_layer"] == k).all()
 
@@ -295,6 +325,59 @@ def test_margin_picks_a_stricter_threshold():
     assert np.all(preds[0, ex] == labels[ex])
 
 
+def test_reads_the_pooling_of_the_models_head():
+    from graphopt.rewrites.early_exit.pooling import read_pooling
+
+    for pooling in ("cls", "mean"):
+        model = _tiny_encoder(pooling=pooling, seed=1)
+        last = find_layers(model.graph)[0][-1]
+        assert read_pooling(model.graph, last, model.graph.outputs[0])[0] == pooling
+        result = _apply(model, _feeds(4), layers="1", threshold=0.0, head="linear")
+        assert f"pooling: {pooling} (read from the graph" in "\n".join(result.notes)
+    embed = _tiny_encoder(classifier=False)
+    assert read_pooling(embed.graph, find_layers(embed.graph)[0][-1], embed.graph.outputs[0])[0] is None
+
+
+def test_mean_pooled_classifier_exits_certified_on_held_back_rows():
+    """Masked-mean pooling read from the graph, mean-pooled exit heads, 308 confirm rows: the pass certifies
+    top1>=0.99 and holds it on unseen rows, with rows leaving early."""
+    model = _tiny_encoder(pooling="mean", seed=1)
+    held = _topic_feeds(30, seed=7)
+    ref = _run(model, held)
+    result = _apply(model, _topic_feeds(48), mode="row", exit_output="exit_layer")
+    notes = "\n".join(result.notes)
+    assert result.modified and result.budget_met, notes
+    assert "pooling: mean (read from the graph: ReduceSum" in notes and "confirm rows" not in result.notes[0]
+    inits = result.model.graph.initializers
+    exits = [k for k in (1, 2) if f"early_exit/L{k}/head_w0" in inits]
+    assert exits and all(f"early_exit/L{k}/one" in inits and f"early_exit/L{k}/cls_index" not in inits for k in exits)
+    got = _run(result.model, held)
+    assert metrics.compare([{"logits": g["logits"]} for g in got], ref, held).worst("top1") >= 0.99
+    assert np.concatenate([g["exit_layer"] for g in got]).mean() < LAYERS
+    # the exit heads read the masked mean: an always-exit model equals the mean-pooled head on the hidden state
+    fresh = _tiny_encoder(pooling="mean", seed=1)
+    h, mask = _hidden(fresh, 1, held[:1])[0], held[0]["attention_mask"]
+    always = _apply(fresh, _topic_feeds(8), layers="1", threshold=0.0, head="linear").model
+    want = _head_logits(always, 1, h, mask, "mean")
+    np.testing.assert_allclose(_run(always, held[:1])[0]["logits"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_too_few_confirm_rows_refused_with_the_rows_needed():
+    from graphopt.rewrites.early_exit.thresholds import rows_needed
+
+    assert rows_needed(0.99, 0.95) == 299 and agreement_lower_bound(298, 298, 0.95) < 0.99
+    assert rows_needed(0.99, 0.0) == 1
+    model = _tiny_encoder(pooling="mean", seed=1)
+    result = _apply(model, _topic_feeds(10))  # 160 rows: 64 to confirm
+    assert not result.modified and result.budget_met is False
+    best = agreement_lower_bound(64, 64, 0.95)
+    assert result.notes[0] == (
+        f"not applied: top1>=0.99 needs >= 299 confirm rows at 0.95 confidence; the calibration data gives 64 "
+        f"confirm rows (160 rows, 2/5 of them to confirm), which can certify at most top1>={best:.4f} (about 748 "
+        "calibration rows needed, or a lower top1 budget / confidence)")
+    assert "fidelity per exit" not in "\n".join(result.notes)  # no search
+
+
 # ------------------------------------------------------------------ real models (slow)
 
 CLASSIFIER = os.path.expanduser("~/.cache/graphopt/models/minilm-sentiment-dynamo-sdpa.onnx")
@@ -325,11 +408,11 @@ def test_classifier_through_the_pipeline():
     from graphopt.engine import pipeline
     from graphopt.engine.options import OptimizeOptions
 
-    feeds = _sentence_feeds(10)
+    feeds = _sentence_feeds(16)
     res = pipeline.optimize(CLASSIFIER, OptimizeOptions(
         passes="cleanup,fuse,early-exit", feeds=feeds,
-        # plumbing, not the margin: 40 tune rows cannot show 99% at any useful confidence
-        overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer", "early-exit.confidence=0"]))
+        # plumbing, not the margin: 103 confirm rows cannot certify 99% at 95% (299 needed); at 50% they can
+        overrides=["early-exit.mode=row", "early-exit.exit_output=exit_layer", "early-exit.confidence=0.5"]))
     assert res.ok
     rec = [r for r in res.report.passes if r.name == "early-exit"][0]
     assert rec.status == "ok" and rec.modified, rec.notes
@@ -338,7 +421,7 @@ def test_classifier_through_the_pipeline():
     assert "If" in ops and "Attention" in ops  # fused before the layers moved into the branches
     inner = [n for n in ir.traversal.RecursiveGraphIterator(res.model.graph) if n.op_type == "Attention"]
     assert len(inner) == 6
-    held = _sentence_feeds(4, offset=10)
+    held = _sentence_feeds(4, offset=16)
     ref = runtime.run(runtime.make_session(CLASSIFIER), held)
     got = runtime.run(runtime.make_session(res.model), held)
     assert metrics.compare(got, ref, held).worst("top1") >= 0.99

@@ -38,8 +38,10 @@ def mask_input(model: ir.Model) -> ir.Value | None:
 class Builder:
     """Nested If construction for one ``call``."""
 
-    def __init__(self, p: GraphoptPass, model: ir.Model, batch_dim, n_layers: int, threshold: float):
+    def __init__(self, p: GraphoptPass, model: ir.Model, batch_dim, n_layers: int, threshold: float,
+                 pool: str = ""):
         self.p = p
+        self.pool = pool or p.pool
         self.model = model
         self.batch_dim = batch_dim
         self.n_layers = n_layers
@@ -125,20 +127,44 @@ class Builder:
     def _head(self, tape: ir.tape.Tape, ex: Exit, h: ir.Value, mask: ir.Value | None) -> ir.Value:
         pre = f"{PREFIX}/L{ex.layer}"
         parts = []
-        if "cls" in self.p.pool:
+        ax1 = self._const(tape, np.array([1], np.int64), f"{pre}/axis1")
+        axl = self._const(tape, np.array([-1], np.int64), f"{pre}/axis_last")
+        mf = None if mask is None else tape.op("Cast", [mask], {"to": ir.DataType.FLOAT})
+        if "cls" in self.pool:
             idx = self._const(tape, np.array(0, np.int64), f"{pre}/cls_index")
             parts.append(tape.op("Gather", [h, idx], {"axis": 1}))
-        if "mean" in self.p.pool:
-            ax1 = self._const(tape, np.array([1], np.int64), f"{pre}/axis1")
-            axl = self._const(tape, np.array([-1], np.int64), f"{pre}/axis_last")
-            if mask is None:
+        if "mean" in self.pool:
+            if mf is None:
                 parts.append(tape.op("ReduceMean", [h, ax1], {"keepdims": 0}))
             else:
-                mf = tape.op("Cast", [mask], {"to": ir.DataType.FLOAT})
                 num = tape.op("ReduceSum", [tape.op("Mul", [h, tape.op("Unsqueeze", [mf, axl])]), ax1], {"keepdims": 0})
                 one = self._const(tape, np.array(1.0, np.float32), f"{pre}/one")
                 den = tape.op("Max", [tape.op("ReduceSum", [mf, ax1], {"keepdims": 1}), one])
                 parts.append(tape.op("Div", [num, den]))
+        if "max" in self.pool:
+            x = h
+            if mf is not None:  # padded tokens -1e9: the max over the real ones
+                one = self._const(tape, np.array(1.0, np.float32), f"{pre}/max_one")
+                neg = self._const(tape, np.array(-1e9, np.float32), f"{pre}/max_neg")
+                x = tape.op("Add", [h, tape.op("Unsqueeze", [tape.op("Mul", [tape.op("Sub", [one, mf]), neg]), axl])])
+            parts.append(tape.op("ReduceMax", [x, ax1], {"keepdims": 0}))
+        if "last" in self.pool:
+            if mask is None:
+                idx = self._const(tape, np.array(-1, np.int64), f"{pre}/last_index")
+                parts.append(tape.op("Gather", [h, idx], {"axis": 1}))
+            else:  # the last real token: index mask.sum - 1 per row (right padding)
+                one = self._const(tape, np.array([1], np.int64), f"{pre}/last_one")
+                zero = self._const(tape, np.array([0], np.int64), f"{pre}/last_zero")
+                two = self._const(tape, np.array([2], np.int64), f"{pre}/last_two")
+                three = self._const(tape, np.array([3], np.int64), f"{pre}/last_three")
+                mi = tape.op("Cast", [mask], {"to": ir.DataType.INT64})
+                last = tape.op("Max", [tape.op("Sub", [tape.op("ReduceSum", [mi, ax1], {"keepdims": 1}), one]), zero])
+                shape = tape.op("Shape", [h])
+                want = tape.op("Concat", [tape.op("Slice", [shape, zero, one]), one, tape.op("Slice", [shape, two, three])],
+                               {"axis": 0})
+                idx = tape.op("Expand", [tape.op("Unsqueeze", [last, axl]), want])
+                picked = tape.op("GatherElements", [h, idx], {"axis": 1})
+                parts.append(tape.op("Squeeze", [picked, ax1]))
         x = parts[0] if len(parts) == 1 else tape.op("Concat", parts, {"axis": 1})
         layers = ex.head.folded()
         for i, (w, b) in enumerate(layers):

@@ -19,14 +19,21 @@ def softmax(z: np.ndarray) -> np.ndarray:
 
 
 def pool_features(h: np.ndarray, mask: np.ndarray | None, pool: str) -> np.ndarray:
-    """Pooled ``[batch, F]`` features of hidden states ``[batch, seq, H]`` (as the graph computes them)."""
+    """Pooled ``[batch, F]`` features of hidden states ``[batch, seq, H]`` (as the graph computes them):
+    ``cls`` (first token), ``mean`` (masked mean), ``max`` (over real tokens), ``last`` (last real token,
+    right padding), or ``cls+mean`` (both concatenated)."""
     parts = []
+    m = np.ones(h.shape[:2], np.float32) if mask is None else mask.astype(np.float32)
     if "cls" in pool:
         parts.append(h[:, 0, :])
     if "mean" in pool:
-        m = np.ones(h.shape[:2], np.float32) if mask is None else mask.astype(np.float32)
         num = (h * m[:, :, None]).sum(1)
         parts.append(num / np.maximum(m.sum(1, keepdims=True), 1.0))
+    if "max" in pool:
+        parts.append((h + ((1.0 - m) * -1e9)[:, :, None]).max(1))
+    if "last" in pool:
+        last = np.maximum(m.sum(1).astype(np.int64) - 1, 0)
+        parts.append(h[np.arange(h.shape[0]), last, :])
     return np.concatenate(parts, axis=1).astype(np.float32)
 
 

@@ -1,8 +1,11 @@
 """``early-exit``: confidence criteria, what a threshold does to the calibration rows, and its choice.
 
-The threshold is the cheapest one whose argmax agreement with the full model meets the budget's ``top1``
-on the tune rows with a safety margin (the Clopper-Pearson lower bound at ``confidence``,
-``common.bounds.agreement_lower_bound``), confirmed on the confirm rows (else the next stricter one).
+The threshold is certified on the confirm rows (held back from fitting the heads and from the candidate
+grid): its argmax agreement with the full model must meet the budget's ``top1`` with a safety margin (the
+one-sided Clopper-Pearson lower bound at ``confidence``, ``common.bounds.agreement_lower_bound``);
+candidates are tested strictest first and the walk stops at the first failure (a fixed-sequence test),
+so the pick among the certified ones (the cheapest on the tune rows) keeps the confidence level.
+:func:`rows_needed` says how many confirm rows a ``top1`` target needs at all.
 """
 
 from __future__ import annotations
@@ -56,32 +59,47 @@ def budget_target(budget: Budget) -> float | None:
     return None
 
 
+def rows_needed(target: float, confidence: float) -> float:
+    """Fewest error-free rows whose one-sided Clopper-Pearson lower bound at ``confidence`` reaches
+    ``target`` (``(1 - confidence) ** (1 / n) >= target``); inf for a target of 1 or more."""
+    if confidence <= 0.0 or target <= 0.0:
+        return 1
+    if target >= 1.0:
+        return math.inf
+    n = math.ceil(math.log(1.0 - confidence) / math.log(target))
+    while agreement_lower_bound(n, n, confidence) < target:  # float edge
+        n += 1
+    return n
+
+
 def calibrate(preds, scores, labels, layer_of, target: float, tune, confirm, n_layers: int, *, criterion: str,
               confidence: float, note: Callable[[str], None]) -> float | None:
-    """The cheapest threshold meeting ``target`` on the tune rows (lower bound at ``confidence``) and then on
-    the confirm rows (plain agreement); None when none does."""
+    """The cheapest threshold certified on the confirm rows: candidates (from the tune rows' scores) are
+    tested strictest first, each by its confirm agreement's lower bound at ``confidence`` against
+    ``target``; the first failure ends the walk (a fixed-sequence test: every threshold before it is
+    certified at once), and the cheapest of those on the tune rows is chosen. None when only "never
+    exit" passes."""
     if criterion == "patience":
-        cands = [float(t) for t in range(1, preds.shape[0] + 1)]
+        cands = [float(t) for t in range(preds.shape[0] + 1, 0, -1)]  # E + 1: never exits
     else:
         cands = sorted(set(np.round(np.quantile(scores[:, tune], np.linspace(0, 1, 201)), 6).tolist()))
-        cands.append(1.0 + 1e-6)
+        cands = [1.0 + 1e-6] + cands[::-1]
 
-    def stats(idx, t):
+    def run(idx, t):
         ex, pr = simulate(preds[:, idx], scores[:, idx], labels[idx], criterion, t)
-        return float(np.mean(pr == labels[idx])), float(layer_of[ex].mean())
+        return int(np.sum(pr == labels[idx])), float(layer_of[ex].mean())
 
-    def bound(t):
-        ex, pr = simulate(preds[:, tune], scores[:, tune], labels[tune], criterion, t)
-        return agreement_lower_bound(int(np.sum(pr == labels[tune])), len(tune), confidence)
-
-    ok = [(stats(tune, t)[1], -t if criterion != "patience" else t, t) for t in cands
-          if bound(t) >= target]
-    ok.sort()
-    for cost, _, t in ok:
-        if cost >= n_layers:
+    certified = []
+    for t in cands:
+        hits, _ = run(confirm, t)
+        lb = agreement_lower_bound(hits, len(confirm), confidence)
+        if lb < target:
+            if certified:
+                note(f"threshold {t:g}: confirm top1 {hits / len(confirm):.4f} (lower bound {lb:.4f}) misses "
+                     f"{target:g}; the stricter ones before it are certified")
             break
-        if stats(confirm, t)[0] >= target:
-            return t
-        note(f"threshold {t:g}: top1 met on tune rows, not on confirm rows "
-             f"({stats(confirm, t)[0]:.4f}); trying a stricter one")
-    return None
+        certified.append((run(tune, t)[1], -t, t))  # ties: the stricter
+    if not certified:
+        return None
+    cost, _, t = min(certified)
+    return None if cost >= n_layers else t
