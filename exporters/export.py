@@ -134,12 +134,36 @@ def export(
                 hint="try the other --exporter" + (" (TorchScript fp16 exports are often ill-typed)" if dtype == "fp16" else ""),
             ) from e
         io.save(model, out, external_data=external_data)
+    notes = []
+    if spec.name.startswith("causal-lm") and Path(str(src)).is_dir():
+        copied = copy_decoder_files(Path(str(src)), out.parent)
+        if copied:
+            notes.append(f"beside the model for graphopt generate: {', '.join(copied)}")
     opset_used = model.opset_imports.get("", 0)
     nodes = sum(1 for _ in model.graph)
     result = ExportResult(out, spec.name, used, prep.attn, dtype, opset_used, nodes, check,
                           time.perf_counter() - t0, fallback)
+    result.notes = notes
     logger.info("exported %s with %s (%s attention): %d nodes, max_abs %.3g", out, used, prep.attn, nodes, check.max_abs)
     return result
+
+
+#: what a decoder's folder holds that generation needs beside the model: tokenizer, maximum length, stop tokens
+DECODER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                 "vocab.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "config.json",
+                 "generation_config.json")
+
+
+def copy_decoder_files(src: Path, folder: Path) -> list[str]:
+    """Copy the tokenizer and generation files of the Hugging Face folder ``src`` into ``folder`` (atomically,
+    never over a file already there); the names copied."""
+    copied = []
+    for name in DECODER_FILES:
+        f, dst = src / name, folder / name
+        if f.is_file() and not dst.exists():
+            io.write_atomic(dst, f.read_bytes())
+            copied.append(name)
+    return copied
 
 
 def _run(backends, name: str, prep, opset: int | None, work: Path):

@@ -132,3 +132,17 @@ def test_parity_error_carries_numbers(tiny_bert, tmp_path):
     assert ei.value.exit_code == 3
     assert ei.value.result.outputs[0].name == "logits" and ei.value.result.max_abs > 1e-12
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_decoder_export_puts_its_generation_files_beside_the_model(capsys, tiny_bert, tmp_path):
+    """A causal LM exported from a folder gets the folder's tokenizer and generation files beside the .onnx (what
+    `graphopt generate MODEL` reads), never over a file already there."""
+    src = importlib.import_module("tiny").build_folder("llama", "causal-lm-with-past")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # the user's own file stays
+    code, _, err = _cli(capsys, src, "-o", out / "m.onnx", "--task", "causal-lm-with-past")
+    assert code == 0, err
+    expected = [n for n in ("generation_config.json", "tokenizer.json", "tokenizer_config.json") if (src / n).is_file()]
+    assert expected and all((out / n).read_bytes() == (src / n).read_bytes() for n in expected)
+    assert (out / "config.json").read_text() == "{}"
