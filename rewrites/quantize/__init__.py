@@ -71,7 +71,7 @@ from graphopt.errors import UsageError
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites.common import activations as calib_mod
 from graphopt.rewrites.common import lossy
-from graphopt.rewrites.quantize import qdq
+from graphopt.rewrites.quantize import numeric, qdq
 from graphopt.rewrites.quantize import smooth as smooth_mod
 from graphopt.rewrites.quantize import targets as targets_mod
 from graphopt.rewrites.quantize.int4 import gptq_int4
@@ -207,6 +207,17 @@ class QuantizePass(GraphoptPass):
             else:
                 modes.append((m, False))
         any_sq = any(sq for _, sq in modes)
+        # int8 weight storage for this CPU's int8 kernel (measured once per process): s8 where ORT's kernel
+        # is exact, as always. Dynamic int8 ops (u8 activations; int4's QAttention and int8 fallback) run
+        # on the CPU kernels whatever the provider; static ones on CUDA run CUDA's
+        weights = {"static": "s8", "dynamic": "s8"}
+        used = {"static": act_type} if "static" in base_modes and provider != "cuda" else {}
+        if "dynamic" in base_modes or "int4" in base_modes:
+            used["dynamic"] = "u8"
+        for m, act in used.items():
+            weights[m], why = numeric.int8_weights(act)
+            if why:
+                note(f"{m}: {why}")
 
         # a --provider cuda model may hold CUDA-only ops (remove-padding's PackedMultiHeadAttention):
         # calibration and the budget search run on CPU through their exact standard-op stand-ins.
@@ -251,11 +262,12 @@ class QuantizePass(GraphoptPass):
                 on_done=reduce if gptq else None,
             )
 
-        run = Search(s, self.build, model, targets, self.mixed, self.sensitivity_feeds, stats, sensitivity)
+        run = Search(s, self.build, model, targets, self.mixed, self.sensitivity_feeds, stats, sensitivity,
+                     int8=QConfig("dynamic", weights=weights["dynamic"]))
         outcomes = []
         ranking: list[str] | None = None
         for mode, sq in modes:
-            plan, factors, info = self._base_plan(mode, sq, targets, stats, act_type, fmt, int4_q)
+            plan, factors, info = self._base_plan(mode, sq, targets, stats, act_type, fmt, int4_q, weights)
             for k in keep:
                 plan.pop(k, None)
             label = mode + ("+smoothquant" if sq else "")
@@ -283,7 +295,7 @@ class QuantizePass(GraphoptPass):
         return s.result(model, True, met=True, held=best.held, rule_counts=rule_counts)
 
     def _base_plan(self, mode: str, sq: bool, targets: list[Target], stats, act_type: str, fmt: str,
-                   int4_q: Mapping[str, tuple[np.ndarray, np.ndarray]]):
+                   int4_q: Mapping[str, tuple[np.ndarray, np.ndarray]], weights: Mapping[str, str]):
         plan: dict[str, QConfig] = {}
         factors: dict[str, np.ndarray] = {}
         info: list[str] = []
@@ -309,14 +321,14 @@ class QuantizePass(GraphoptPass):
                 continue
             if mode == "int4":
                 if t.kind == "attention":  # no 4-bit attention kernel: int8 QAttention instead
-                    plan[t.key] = QConfig("dynamic")
+                    plan[t.key] = QConfig("dynamic", weights=weights["dynamic"])
                     continue
                 cfg = QConfig("int4", block_size=self.block_size, accuracy_level=self.accuracy_level)
                 if self.int4_method == "gptq" and t.key in int4_q:  # computed during calibration
                     cfg.int4_q = int4_q[t.key]
                 plan[t.key] = cfg
                 continue
-            cfg = QConfig(mode, act_type=act_type, fmt=fmt)
+            cfg = QConfig(mode, act_type=act_type, fmt=fmt, weights=weights[mode])
             if mode == "static":
                 if fmt == "qdq" and t.kind == "attention":
                     continue  # ORT has no QDQ -> QAttention fusion: keep float

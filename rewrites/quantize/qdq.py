@@ -12,7 +12,8 @@ Replacements, per target and per format::
                     which ORT 1.32's CPU runs ~5x slower: a per-axis kernel)
     EmbedLayerNorm: Gather(table_q) ─DQ─ + position rows ─SkipLayerNormalization(+ segment rows)──▶
 
-Weights are per-channel (per output column) symmetric int8. One ``QuantizeLinear`` is shared by all
+Weights are per-channel (per output column) symmetric int8 (stored as ``QConfig.weights`` says:
+:func:`.numeric.int8_weights`). One ``QuantizeLinear`` is shared by all
 consumers of the same activation. Refuses (keeps the node float): non-constant or non-2-D weights,
 Attention with past/extra inputs, rotary width or unequal ``qkv_hidden_sizes`` (equal thirds are
 QAttention's default and are dropped), QDQ below opset 13.
@@ -27,7 +28,7 @@ import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN, default_opset
 from graphopt.rewrites.quantize.int4 import pack_int4, rtn_int4
-from graphopt.rewrites.quantize.numeric import act_qparams, quantize_weight
+from graphopt.rewrites.quantize.numeric import WEIGHT_QMAX, act_qparams, quantize_weight, store_weight
 from graphopt.rewrites.quantize.targets import QConfig, Target, const_array, sum_bias_index
 from graphopt.runtime.contrib import attention_inputs
 
@@ -181,7 +182,8 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
                 _drop_sum_input(b, sum_node, sum_bias)
                 bump("Sum bias->integer op")
             continue
-        q, ws = quantize_weight(w, axis=1)
+        q, ws = quantize_weight(w, axis=1, qmax=WEIGHT_QMAX[cfg.weights])
+        q, wz = store_weight(q, cfg.weights)  # wz: None for zero
         if t.kind == "attention":
             a = node.attributes
             # qkv_hidden_sizes (equal thirds only, see find_targets) is QAttention's default split
@@ -190,7 +192,7 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             xq, xs, xz = _quantize_activation(b, t, cfg, node)
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
-            zv = b.init(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8))
+            zv = b.init(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8) if wz is None else wz)
             named = attention_inputs(node)
             bias_v = named.bias if named.bias is not None else \
                 b.init(f"{pre}_bias", np.zeros(w.shape[1], np.float32))  # QAttention's bias is required
@@ -206,7 +208,8 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
             bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
-            new = b.node(node, "DynamicQuantizeMatMul", [node.inputs[0], qv, sv, None, bv], domain=MS_DOMAIN,
+            zv = b.init(f"{pre}_w_zp", wz) if wz is not None else None
+            new = b.node(node, "DynamicQuantizeMatMul", [node.inputs[0], qv, sv, zv, bv], domain=MS_DOMAIN,
                          name=f"{pre}_dqmm")
             used_ms = True
             bump("DynamicQuantizeMatMul")
@@ -215,7 +218,8 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             dqx = b.node(node, "DequantizeLinear", [xq, xs, xz], name=f"{pre}_dqx")
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
-            dqw = b.node(node, "DequantizeLinear", [qv, sv], {"axis": 1}, name=f"{pre}_dqw")
+            wq_in = [qv, sv] if wz is None else [qv, sv, b.init(f"{pre}_w_zp", wz)]
+            dqw = b.node(node, "DequantizeLinear", wq_in, {"axis": 1}, name=f"{pre}_dqw")
             mm = b.node(node, "MatMul", [dqx.outputs[0], dqw.outputs[0]], name=f"{pre}_mm")
             new = mm
             if bias is not None:
@@ -227,7 +231,8 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             qv = b.init(f"{pre}_w_q", q)
             sv = b.init(f"{pre}_w_scale", ws)
             bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
-            new = b.node(node, "MatMulIntegerToFloat", [xq, qv, xs, sv, xz, None, bv], domain=MS_DOMAIN,
+            zv = b.init(f"{pre}_w_zp", wz) if wz is not None else None
+            new = b.node(node, "MatMulIntegerToFloat", [xq, qv, xs, sv, xz, zv, bv], domain=MS_DOMAIN,
                          name=f"{pre}_mmi2f")
             used_ms = True
             bump("MatMulIntegerToFloat")

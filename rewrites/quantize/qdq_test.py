@@ -16,6 +16,8 @@ from graphopt.runtime.session import make_session, run
 
 RNG = np.random.default_rng(3)
 X = RNG.standard_normal((2, 5, 8)).astype(np.float32)
+#: the int8 weight storage the pass chooses for u8 activations on this CPU (s8 where ORT's kernel is exact)
+WEIGHTS = numeric.int8_weights("u8")[0]
 
 
 def _model() -> ir.Model:
@@ -84,20 +86,44 @@ def _close(got, want, tol):
         assert err < tol, (k, err)
 
 
-def test_dynamic_qop():
-    model, counts, want, got = _apply(targets_mod.QConfig(mode="dynamic"))
+@pytest.mark.parametrize("weights", sorted({WEIGHTS, "u8", "s7"}))
+def test_dynamic_qop(weights):
+    model, counts, want, got = _apply(targets_mod.QConfig(mode="dynamic", weights=weights))
     assert counts == {"DynamicQuantizeMatMul": 2}
     ops = _ops(model)
     assert ops[(MS_DOMAIN, "DynamicQuantizeMatMul")] == 2 and ("", "MatMul") not in ops and ("", "Add") not in ops
     assert model.opset_imports[MS_DOMAIN] == 1
     assert not {"w1", "w2", "b1"} & set(model.graph.initializers)  # float weights dropped
+    node = next(n for n in model.graph if n.op_type == "DynamicQuantizeMatMul")
+    q, zp = node.inputs[1].const_value.numpy(), node.inputs[3]
+    if weights == "s8":  # as always: no zero point
+        assert q.dtype == np.int8 and np.abs(q).max() == 127 and zp is None
+    elif weights == "u8":  # the int8 values + 128, zero point 128
+        assert q.dtype == np.uint8 and np.all(zp.const_value.numpy() == 128)
+        assert np.abs(q.astype(np.int16) - 128).max() == 127
+    else:
+        assert q.dtype == np.int8 and np.abs(q).max() == 64 and zp is None
     _close(got, want, 0.03)
+
+
+def test_int8_weights_follow_the_kernel_probe():
+    saturates = lambda a, b: (a, b) != ("u8", "s8")  # noqa: E731 - a CPU without VNNI
+    assert numeric.int8_weights("u8", lambda a, b: True) == ("s8", "")  # exact kernel: as always
+    w, why = numeric.int8_weights("u8", saturates)
+    assert w == "u8" and "saturates" in why and "zero point 128" in why
+    assert numeric.int8_weights("s8", saturates) == ("s8", "")  # s8 x s8 exact
+    w, why = numeric.int8_weights("u8", lambda a, b: False)
+    assert w == "s7" and "reduce_range" in why
+    q = np.array([[-127, 0, 127]], np.int8)
+    stored, zp = numeric.store_weight(q, "u8")
+    assert stored.dtype == np.uint8 and np.array_equal(stored.astype(np.int16) - zp, q)
+    assert numeric.store_weight(q, "s8") == (q, None)
 
 
 @pytest.mark.parametrize(("fmt", "op"), [("qop", (MS_DOMAIN, "MatMulIntegerToFloat")), ("qdq", ("", "MatMul"))])
 def test_static_shares_one_quantize_linear(fmt, op):
     a = X * np.array([20.0] + [1.0] * 7, np.float32)
-    cfg = targets_mod.QConfig(mode="static", act_range=(float(a.min()), float(a.max())), fmt=fmt)
+    cfg = targets_mod.QConfig(mode="static", act_range=(float(a.min()), float(a.max())), fmt=fmt, weights=WEIGHTS)
     model, counts, want, got = _apply(cfg)
     ops = _ops(model)
     assert ops[("", "QuantizeLinear")] == 1 and ops[op] == 2
@@ -119,10 +145,10 @@ def test_int4_matches_the_dequantized_weight():
 
 def test_smooth_scales_the_weight_rows():
     """QConfig.smooth multiplies W's rows (the activation is divided upstream): here by 1, so no change."""
-    cfg = targets_mod.QConfig(mode="dynamic", smooth=np.ones(8, np.float32))
+    cfg = targets_mod.QConfig(mode="dynamic", smooth=np.ones(8, np.float32), weights=WEIGHTS)
     _, _, want, got = _apply(cfg)
     _close(got, want, 0.03)
-    cfg = targets_mod.QConfig(mode="dynamic", smooth=np.full(8, 2.0, np.float32))
+    cfg = targets_mod.QConfig(mode="dynamic", smooth=np.full(8, 2.0, np.float32), weights=WEIGHTS)
     _, _, want, got = _apply(cfg)
     _close({"z": got["z"]}, {"z": 2 * want["z"]}, 0.03)
 
@@ -153,8 +179,8 @@ def _matmul_biasgelu() -> ir.Model:
 
 
 @pytest.mark.parametrize("cfg", [
-    targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
-    targets_mod.QConfig(mode="dynamic"),
+    targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max())), weights=WEIGHTS),
+    targets_mod.QConfig(mode="dynamic", weights=WEIGHTS),
     targets_mod.QConfig(mode="int4", block_size=16, accuracy_level=0),
 ], ids=["static", "dynamic", "int4"])
 def test_biasgelu_bias_goes_into_the_integer_op(cfg):
@@ -182,7 +208,7 @@ def test_biasgelu_bias_goes_into_the_integer_op(cfg):
 
 def test_biasgelu_stays_in_qdq_form():
     model = _matmul_biasgelu()
-    cfg = targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max())), fmt="qdq")
+    cfg = targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max())), fmt="qdq", weights=WEIGHTS)
     qdq.apply(model, targets_mod.find_targets(model), {"mm": cfg})
     ops = _ops(model)
     assert ops[(MS_DOMAIN, "BiasGelu")] == 1 and ops[("", "MatMul")] == 1 and (MS_DOMAIN, "Gelu") not in ops
@@ -215,8 +241,8 @@ def _matmul_sum() -> ir.Model:
 
 
 @pytest.mark.parametrize("cfg", [
-    targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max()))),
-    targets_mod.QConfig(mode="dynamic"),
+    targets_mod.QConfig(mode="static", act_range=(float(X.min()), float(X.max())), weights=WEIGHTS),
+    targets_mod.QConfig(mode="dynamic", weights=WEIGHTS),
 ], ids=["static", "dynamic"])
 def test_residual_sum_bias_goes_into_the_integer_op(cfg):
     model = _matmul_sum()

@@ -21,7 +21,7 @@ from graphopt import io
 from graphopt.data.metrics import compare, parse_budget
 from graphopt.engine.registry import PassContext, create
 from graphopt.rewrites.common import activations as _quant_calib
-from graphopt.rewrites.quantize import QuantizePass
+from graphopt.rewrites.quantize import QuantizePass, numeric
 from graphopt.rewrites.quantize import int4 as _quant_int4
 from graphopt.runtime import session as runtime
 
@@ -125,6 +125,13 @@ def test_dynamic(encoder):
     assert ops["MatMul"] == 0 and ops["Attention"] == 0
     _check_budget(encoder, res.model, feeds)
     assert any("integer ops" in n and "QAttention" in n for n in res.notes)
+    # int8 weights as this CPU's int8 kernel needs (measured): s8 where u8 x s8 is exact, else u8 + zero point
+    weights, why = numeric.int8_weights("u8")
+    dtype = {"s8": ir.DataType.INT8, "u8": ir.DataType.UINT8, "s7": ir.DataType.INT8}[weights]
+    dqmm = [n for n in res.model.graph if n.op_type == "DynamicQuantizeMatMul"]
+    assert all(n.inputs[1].dtype == dtype for n in dqmm)
+    assert all((n.inputs[3] is None) == (weights != "u8") for n in dqmm)
+    assert any(f"dynamic: {why}" in n for n in res.notes) == bool(why)
 
 
 def test_static_qop(encoder):

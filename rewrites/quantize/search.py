@@ -56,6 +56,8 @@ class Search:
     sensitivity_feeds: int = 2
     stats: dict[str, calib_mod.Stats] = dataclasses.field(default_factory=dict)
     ranking_by: str = "model"  # "model" | "local": the sensitivity option with "auto" resolved
+    #: int4 mode: the config of a layer moved to int8 (its weight storage chosen for this CPU)
+    int8: QConfig = dataclasses.field(default_factory=lambda: QConfig("dynamic"))
 
     def __post_init__(self) -> None:
         self.macs = {t.key: t.macs_per_row for t in self.targets}
@@ -103,7 +105,7 @@ class Search:
             else:
                 floats, int8 = order[:i], []
             p = {k: v for k, v in plan.items() if k not in floats}
-            p.update({k: QConfig("dynamic") for k in int8 if k in p})
+            p.update({k: dataclasses.replace(self.int8) for k in int8 if k in p})
             return Outcome(mode, p, factors, floats, int8=int8,
                            float_macs=(total - sum(macs[k] for k in p)) / total)
 
@@ -161,7 +163,7 @@ class Search:
         def cand(k: int) -> Outcome:
             floats, int8 = order[:j], rest[:k]
             p = {key: v for key, v in plan.items() if key not in floats}
-            p.update({key: QConfig("dynamic") for key in int8})
+            p.update({key: dataclasses.replace(self.int8) for key in int8})
             return Outcome(mode, p, factors, floats, int8=int8,
                            float_macs=(total - sum(macs[key] for key in p)) / total)
 

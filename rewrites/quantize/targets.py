@@ -66,6 +66,7 @@ class QConfig:
     act_range: tuple[float, float] | None = None  # static: calibrated (min, max)
     act_type: str = "u8"  # "u8" | "s8"
     fmt: str = "qop"  # "qop" | "qdq"
+    weights: str = "s8"  # int8 weight storage: "s8" | "u8" (zero point 128) | "s7" (numeric.int8_weights)
     smooth: np.ndarray | None = None  # SmoothQuant: W rows *= smooth (x /= smooth is done upstream)
     block_size: int = 32
     accuracy_level: int = 4
