@@ -16,6 +16,10 @@ import functools
 from collections.abc import Callable
 
 import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from graphopt.runtime.session import make_session
 
 #: the integer types of the probe, by their short names
 _TYPES = {"u8": np.uint8, "s8": np.int8}
@@ -39,10 +43,6 @@ def probe_operands(a_type: str, b_type: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _ort_matmul_integer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``MatMulInteger(a, b)`` on ORT's CPU provider (b a constant weight, as in a quantized model)."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    from graphopt.runtime.session import make_session
 
     types = {np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int8): onnx.TensorProto.INT8}
     graph = helper.make_graph(
