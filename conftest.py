@@ -15,6 +15,11 @@ sys.path.insert(0, str(REPO / "tests"))
 from testmodels import make_mlp  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers get COLUMNS=80 / LINES=24 from execnet; a plain run has no terminal size set, and
+    # the CLI's tables keep their natural width without one (the output tests read them whole)
+    for var in ("COLUMNS", "LINES"):
+        os.environ.pop(var, None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 

@@ -32,7 +32,8 @@ case "$job" in
     ;;
   test)
     [ -z "${CI:-}" ] || bash tools/install_test_deps.sh
-    .venv/bin/python -m pytest "$@"
+    # both cores: pytest-xdist, one test file per worker at a time (module fixtures are built once)
+    .venv/bin/python -m pytest -n "${GRAPHOPT_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   *) echo "usage: tools/dev.sh demo|test|setup" >&2; exit 2 ;;
 esac
