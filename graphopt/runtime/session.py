@@ -118,12 +118,14 @@ def make_session(
     strict_provider: bool = False,
     execution_mode: str | None = None,
     inter_op_threads: int | None = None,
-    prepack: bool = True,
+    prepack: bool | None = None,
 ):
     """An ``onnxruntime.InferenceSession`` for a path, ModelProto, ``onnx_ir.Model`` or bytes.
 
     ``prepack=False`` keeps ORT from making a kernel-packed copy of the weights: a session that only verifies
-    a large model, whose weights ORT then memory-maps from their file, costs little beyond them.
+    or probes a large model, whose weights ORT then memory-maps from their file, costs little beyond them.
+    ``None`` (the default): off for an unoptimized session of a large ``onnx_ir`` model (one that reaches ORT as
+    a file, see ``graphopt.io.materialize``), on otherwise.
 
     ``provider='cuda'`` uses CUDA when available, else CPU (logged), or raises with
     ``strict_provider`` (also when the CUDA provider is there but does not initialise).
@@ -142,6 +144,8 @@ def make_session(
             raise RuntimeSetupError(f"CUDA requested but not available: {why}")
         else:
             logger.warning("CUDA requested but not available (%s); using CPU", why)
+    if prepack is None:
+        prepack = optimize or not (isinstance(model, ir.Model) and io.streams(model))
     so = session_options(threads=threads, optimize=optimize, spinning=spinning, level=level,
                          execution_mode=execution_mode, inter_op_threads=inter_op_threads, prepack=prepack)
     stack = contextlib.ExitStack()
