@@ -64,3 +64,20 @@ def test_budget_parsing_and_checking():
     for bad in ("cosine", "cos>=1", "cosine=>1", "cosine>=x"):
         with pytest.raises(UsageError):
             parse_budget(bad)
+
+
+def test_nan_or_inf_where_the_reference_is_finite_always_fails():
+    """A finite reference turned NaN/Inf fails a lossless check and any budget, whatever the tolerance or
+    metric: silence through a dropped epsilon guard must not pass on a cosine that ignores a few elements."""
+    import numpy as np
+
+    from graphopt.data.metrics import compare, parse_budget
+
+    ref = [{"y": np.ones((4, 64), np.float32)}]
+    got = [{"y": np.ones((4, 64), np.float32)}]
+    got[0]["y"][0, 0] = -np.inf
+    cmp = compare(got, ref)
+    assert cmp.outputs["y"].new_nonfinite == 1 and not cmp.within(1e9, 1e9)
+    assert any("NaN/Inf where the reference is finite" in f for f in parse_budget("top1>=0.5").failures(cmp))
+    same = compare([{"y": np.full((1, 2), np.nan, np.float32)}], [{"y": np.full((1, 2), np.nan, np.float32)}])
+    assert same.outputs["y"].new_nonfinite == 0 and same.within(1e-4, 1e-4)  # NaN in the reference too: not new

@@ -58,6 +58,8 @@ class OutputDiff:
     exact_dtype: bool = False  # int/bool output: compared for equality
     samples: int = 0
     shape_mismatch: str | None = None
+    #: elements that are NaN or infinite where the reference is finite: a failure whatever the tolerance
+    new_nonfinite: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,7 +84,13 @@ class Comparison:
 
     def within(self, atol: float, rtol: float) -> bool:
         """True when every element is within ``atol + rtol*|ref|`` (and int outputs are equal)."""
-        return all(d.shape_mismatch is None and d.mismatch == 0.0 for d in self.outputs.values())
+        return all(d.shape_mismatch is None and d.mismatch == 0.0 and not d.new_nonfinite
+                   for d in self.outputs.values())
+
+    def nonfinite(self) -> list[str]:
+        """The outputs that turned finite reference values into NaN or Inf, with how many elements."""
+        return [f"output {d.name!r}: {d.new_nonfinite} NaN/Inf where the reference is finite"
+                for d in self.outputs.values() if d.new_nonfinite]
 
     def worst_output(self, metric: str = "max_abs") -> OutputDiff | None:
         if not self.outputs:
@@ -163,6 +171,7 @@ class _Accumulator:
         if g.size == 0:
             return
         nan_mismatch = np.isnan(g) != np.isnan(r)
+        d.new_nonfinite += int(np.count_nonzero(~np.isfinite(g) & np.isfinite(r)))
         g_ = np.where(np.isnan(g) & np.isnan(r), 0.0, g)
         r_ = np.where(np.isnan(g) & np.isnan(r), 0.0, r)
         with np.errstate(invalid="ignore", over="ignore"):
@@ -299,7 +308,7 @@ class Budget:
     terms: tuple[BudgetTerm, ...] = ()
 
     def failures(self, comparison: Comparison) -> list[str]:
-        out = []
+        out = comparison.nonfinite()  # whatever the terms say
         for t in self.terms:
             if not t.holds(comparison):
                 out.append(f"{t} not met: {t.metric}={comparison.worst(t.metric):.6g}")

@@ -231,7 +231,7 @@ def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, pro
 
 
 def _describe_mismatch(cmp: Comparison, atol: float, rtol: float) -> str:
-    parts = []
+    parts = cmp.nonfinite()
     for d in cmp.outputs.values():
         if d.shape_mismatch:
             parts.append(f"output {d.name!r}: {d.shape_mismatch}")
