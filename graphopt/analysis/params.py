@@ -5,7 +5,9 @@ Float initializers count element by element. Integer initializers count where th
 quantization op reads them (an int32 bias of ``DequantizeLinear`` or ``QLinearConv``). A packed
 weight counts the elements of the logical weight, not its bytes: ``MatMulNBits``' ``B`` is ``K×N``,
 ``GatherBlockQuantized``' 4-bit table twice its bytes. Shape and index constants (int64) are not
-parameters. ``graphopt inspect`` and ``graphopt diff`` both count with :func:`parameter_count`.
+parameters; nor is a zero-point tensor whose elements are all one value (a symmetric quantizer's zero points stored
+per channel, e.g. 128 for u8 weights): it holds one number however many times it is written.
+``graphopt inspect`` and ``graphopt diff`` both count with :func:`parameter_count`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,21 @@ _QUANT_OPS = {
 }
 
 
+#: op -> input positions that are zero points
+_ZERO_POINTS = {
+    "DequantizeLinear": {2}, "QuantizeLinear": {2}, "MatMulInteger": {2, 3}, "ConvInteger": {2, 3},
+    "DynamicQuantizeMatMul": {3}, "MatMulIntegerToFloat": {4, 5}, "QAttention": {6, 7}, "QLinearMatMul": {2, 5, 7},
+    "QLinearConv": {2, 5, 7}, "MatMulNBits": {3}, "QGemm": {2, 5, 8},
+}
+
+
+def _uniform_zero_point(value: ir.Value, uses) -> bool:
+    if not uses or not all(idx in _ZERO_POINTS.get(node.op_type, ()) for node, idx in uses):
+        return False
+    arr = value.const_value.numpy()
+    return arr.size > 1 and bool((arr == arr.flat[0]).all())
+
+
 def _elements(t) -> int:
     n = 1
     for d in t.shape:
@@ -42,6 +59,8 @@ def weight_elements(value: ir.Value) -> int | None:
         return None
     dtype = t.dtype
     uses = list(value.uses())
+    if dtype.is_integer() and _uniform_zero_point(value, uses):
+        return 0
     for node, idx in uses:
         if node.op_type == "MatMulNBits" and idx == 1:
             k, n = node.attributes.get("K"), node.attributes.get("N")
