@@ -97,12 +97,15 @@ def optimize(
     if provider not in PROVIDERS:
         raise UsageError(f"unknown provider {provider!r}", hint="use " + " or ".join(PROVIDERS))
     if provider == "cuda":
-
         ok, why = cuda_available()
         logger.warning("passes target CUDA; verification runs on CPU%s", "" if ok else f" (no CUDA here: {why})")
     budget = o.resolve_budget()
     recipe = o.resolve_recipe()
     instances = recipe.build()
+    if budget and all(p.exact for p in instances):
+        raise UsageError(f"--budget applies to lossy passes; this run has only lossless ones "
+                         f"({', '.join(p.name for p in instances)})",
+                         hint="drop --budget, or run a lossy pass too (e.g. --recipe int8)")
 
     src = ""
     if not isinstance(model, ir.Model):
@@ -282,11 +285,6 @@ def optimize_file(
     """
     o = options if options is not None else OptimizeOptions()
     io.check_output_path(model, output, in_place=in_place)
-    if o.resolve_budget():
-        names = o.resolve_recipe().pass_names()
-        if all(registry.get(n).exact for n in names):
-            raise UsageError(f"--budget applies to lossy passes; this run has only lossless ones ({', '.join(names)})",
-                             hint="drop --budget, or run a lossy pass too (e.g. --recipe int8)")
     if Path(model).is_file():
         memory.plan(model, o.verify_level, o.memory_limit())
     result = optimize(model, o, on_step=on_step)
