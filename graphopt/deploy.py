@@ -27,8 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -337,9 +335,7 @@ def deploy(model_path: str | os.PathLike, repo: str | os.PathLike, *, name: str 
     dst = repo / name
     if dst.exists() and not force:
         raise ModelSaveError(f"{dst} exists", hint="remove it, or give --force to replace it")
-    repo.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=repo))
-    try:
+    with io.staged_dir(dst, replace=True) as tmp:  # nothing half-written; an existing entry replaced at the end
         model_file = tmp / "1" / MODEL_FILE
         io.save(model, model_file, external_data=external_data, src=src)
         files = {f"1/{p.name}": _sha256(p) for p in sorted((tmp / "1").iterdir())}
@@ -352,12 +348,6 @@ def deploy(model_path: str | os.PathLike, repo: str | os.PathLike, *, name: str 
                        instances=instances, threads=threads, max_delay_us=max_delay_us, max_length=max_length,
                        files=files)
         (tmp / MANIFEST_NAME).write_text(json.dumps(man, indent=2) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("wrote %s", dst)
     return dst
 

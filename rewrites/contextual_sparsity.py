@@ -42,6 +42,7 @@ from graphopt.errors import UsageError
 from graphopt.opsets import node_domain
 from graphopt.rewrites.common import ffn as _ffn
 from graphopt.rewrites.common import lossy
+from graphopt.rewrites.common.names import unique_name
 from graphopt.runtime import session as runtime
 from graphopt.runtime import standins
 
@@ -149,7 +150,7 @@ class _Run:
             base = f.key
 
             def const(arr: np.ndarray, suffix: str, base=base) -> ir.Value:
-                name = _ffn.unique_name(graph, f"{base}_{suffix}")
+                name = unique_name(graph, f"{base}_{suffix}")
                 val = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(arr), name=name),
                                shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
                 graph.register_initializer(val)
@@ -166,7 +167,7 @@ class _Run:
             ones = t.op("Expand", [const(np.ones(1, np.float32), "one"), t.op("Shape", [flat])])
             union = t.op("ScatterElements", [const(np.zeros(f.width, np.float32), "zeros"), flat, ones])
             rows = t.op("Reshape", [t.op("NonZero", [union]), const(np.array([-1], np.int64), "flat2")])
-            rows.name = _ffn.unique_name(graph, f"{base}_rows")
+            rows.name = unique_name(graph, f"{base}_rows")
             rows_out.append(rows.name)
             w1t = t.op("Gather", [const(np.ascontiguousarray(f.w1.T), "w1t"), rows], attributes={"axis": 0})
             h = t.op("MatMul", [x, t.op("Transpose", [w1t], attributes={"perm": [1, 0]})])

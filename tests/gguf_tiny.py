@@ -50,8 +50,9 @@ def _byte_vocab() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def write(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
-    """Write the tiny GGUF at ``path``; returns the GGUF bytes of each tensor by GGUF name."""
+def write(path: Path, seed: int = 0, pre: str = "gpt2") -> dict[str, np.ndarray]:
+    """Write the tiny GGUF at ``path``; returns the GGUF bytes of each tensor by GGUF name. ``pre``: the
+    pre-tokenizer name (llama.cpp knows GPT-2's as ``gpt-2``, not ``gpt2``)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -71,7 +72,7 @@ def write(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
     w.add_vocab_size(vocab)
     w.add_file_type(3)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([1] * vocab)
     w.add_token_merges(merges)

@@ -69,12 +69,12 @@ def free_port() -> int:
 class ThreadServer:
     """``graphopt.serve`` in a thread of this process, on a free loopback port; ``stop`` drains and joins."""
 
-    def __init__(self, runner, **app_options):
+    def __init__(self, runner=None, *, app=None, **app_options):
         import uvicorn
 
         from graphopt.serve.app import config, make_app
 
-        self.app = make_app(runner, **app_options)
+        self.app = app if app is not None else make_app(runner, **app_options)
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.server = uvicorn.Server(config(self.app, port=self.port))

@@ -88,6 +88,20 @@ def test_calib_feed_missing_input(run_cli, tmp_path, mlp_path):
 
 
 @pytest.mark.slow
+def test_convert_precision_after_fuse_on_the_torchscript_export(run_cli, minilm, tmp_path):
+    # fuse leaves EmbedLayerNormalization's unused mask_index untyped; the fp16 check's CPU stand-in kept
+    # it untyped (it once gave it an empty type the model could not be serialized with: exit 1)
+    src = minilm("torchscript", "eager")
+    out = tmp_path / "fp16.onnx"
+    code, _, err = run_cli("optimize", src, "-o", out, "--passes", "cleanup,fuse,convert-precision",
+                           "--report", tmp_path / "r.json")
+    assert code == 0, err
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert [p["status"] for p in rep["passes"]] == ["ok", "ok", "ok"]
+    assert rep["final"]["cosine_min"] >= 0.999
+
+
+@pytest.mark.slow
 def test_optimize_minilm_default_recipe(run_cli, minilm, tmp_path):
     src = minilm("torchscript", "eager")
     before = src.read_bytes()

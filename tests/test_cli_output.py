@@ -74,11 +74,11 @@ def test_optimize_report_not_wrapped_without_terminal(piped_models):
     r = _piped("optimize", mlp, "-o", d / "mlp.opt.onnx")  # the default recipe: cleanup … remove-padding
     assert r.returncode == 0, r.stderr
     _assert_unwrapped(r.stdout, ["pass", "status", "modified", "nodes", "op delta", "verification"],
-                      ["cleanup", "cut-positions", "fuse", "remove-padding"], rows=4)
+                      ["cleanup", "cut-positions", "fuse", "group-query-attention", "remove-padding"], rows=5)
     assert "\x1b[" not in r.stdout + r.stderr  # no colour codes in a log
     r = _piped("optimize", mlp, "-o", d / "mlp.opt2.onnx", "--json")  # the report as JSON on stdout
     assert r.returncode == 0 and [p["name"] for p in json.loads(r.stdout)["passes"]] == [
-        "cleanup", "cut-positions", "fuse", "remove-padding"]
+        "cleanup", "cut-positions", "fuse", "group-query-attention", "remove-padding"]
 
 
 def test_passes_inspect_verify_bench_diff_not_wrapped_without_terminal(piped_models):

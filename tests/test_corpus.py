@@ -92,10 +92,17 @@ def _assert_close(got, ref, where, feeds=None):
                 np.testing.assert_array_equal(a, b, err_msg=f"{where}: {k}")
 
 
+#: entry name -> (feeds, the original model's outputs on them): the reference, computed once per model
+_REFERENCE: dict[str, tuple[list, list]] = {}
+
+
 def _check_output(src, out, entry):
     assert out.exists()
-    feeds = corpus.realistic_feeds(entry, seed=1)
-    _assert_close(_plain_outputs(out, feeds), _plain_outputs(src, feeds), f"{entry.name} optimized vs original", feeds)
+    if entry.name not in _REFERENCE:
+        feeds = corpus.realistic_feeds(entry, seed=1)
+        _REFERENCE[entry.name] = feeds, _plain_outputs(src, feeds)
+    feeds, ref = _REFERENCE[entry.name]
+    _assert_close(_plain_outputs(out, feeds), ref, f"{entry.name} optimized vs original", feeds)
 
 
 def _leftovers(folder, keep):

@@ -147,3 +147,23 @@ def test_streamed_text_waits_for_whole_characters():
     for row, t in enumerate(b"a\xc3\xa9b"):
         deltas(row, t)
     assert shown == ["a", "\u00e9", "b"]
+
+
+def test_optimized_decoder_gets_its_tokenizer_beside_it(run_cli, model_dir, tmp_path):
+    """optimize copies the decoder's tokenizer and configs beside the output (never replacing a file there), so
+    generate runs on the output with no --tokenizer and gives the input's greedy tokens."""
+    out_dir = tmp_path / "built"
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text("{}")  # the user's own file stays
+    code, text, err = run_cli("optimize", model_dir / "model.onnx", "-o", out_dir / "model.onnx", "--passes", "cleanup",
+                              "--speed-check", "off")
+    assert code == 0, err
+    assert "beside the output: tokenizer.json" in text
+    assert (out_dir / "tokenizer.json").is_file() and (out_dir / "generation_config.json").is_file()
+    assert (out_dir / "config.json").read_text() == "{}"
+    assert not list(out_dir.glob(".*.tmp"))
+    args = ("--prompt", "w5 w17 w99", "--max-new-tokens", "8", "--ignore-eos", "--json")
+    code, a, err = run_cli("generate", out_dir / "model.onnx", *args)
+    assert code == 0, err
+    code, b, err = run_cli("generate", model_dir / "model.onnx", *args)
+    assert json.loads(a)["token_ids"] == json.loads(b)["token_ids"]

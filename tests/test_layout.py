@@ -20,10 +20,10 @@ MAX_LINES = 500
 #: layer of each top-level room; an import may point to its own layer or a lower one, never a higher one
 LAYERS = {
     "core": 0, "runtime": 1, "data": 2, "analysis": 2, "generate": 2.5, "engine": 3, "rewrites": 4, "exporters": 4,
-    "search": 5, "diff": 5, "serve": 5, "deploy": 5, "bench": 5, "recipes": 5, "cli": 6,
+    "search": 5, "diff": 5, "serve": 5, "deploy": 5, "deploy_genai": 5, "bench": 5, "recipes": 5, "cli": 6,
 }
 CORE = {"graphopt", "graphopt.errors", "graphopt.io", "graphopt.memory", "graphopt.interrupt", "graphopt.opsets",
-        "graphopt.onnxscript_compat"}
+        "graphopt.onnxscript_compat", "graphopt.protostream", "graphopt.protoscan"}
 #: the only modules that may name private parts of onnxscript, onnx-ir and onnxruntime
 COMPAT = {"graphopt.onnxscript_compat", "graphopt.runtime.ort_compat"}
 THIRD_PARTY = ("onnxscript", "onnx_ir", "onnxruntime")

@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.engine.registry import GraphoptPass, PassResult
+
 
 def make_mlp(path: Path | None = None, *, opset: int = 17, seed: int = 0) -> onnx.ModelProto:
     """x[batch,8] -> MatMul -> Add -> Relu -> MatMul -> y[batch,4], with a foldable constant chain
@@ -109,3 +111,14 @@ def tiny_bert_feeds(path, n: int = 6, seed: int = 0) -> list[dict[str, np.ndarra
                       "attention_mask": mask, "token_type_ids": np.zeros((4, 16), np.int64)})
     names = {v.name for v in ir.load(path).graph.inputs}
     return [{k: v for k, v in f.items() if k in names} for f in feeds]
+
+
+class RenamesNodes(GraphoptPass):
+    """Test-only pass, truly lossless and free at run time: gives every node a new name (``renamed_K``)."""
+
+    name = "test-rename-nodes"
+
+    def call(self, model, ctx):
+        for k, node in enumerate(model.graph):
+            node.name = f"renamed_{k}"
+        return PassResult(model, True)

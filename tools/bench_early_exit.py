@@ -27,6 +27,16 @@ Usage::
 
 ``--workload mixed`` joins two template sentences per item (the second drawn at random, so half the
 items mix a positive and a negative sentence): the full model is less sure, exits must be chosen.
+
+Files mode (models made by ``graphopt optimize``, e.g. the default recipe's output against
+``--passes ...,early-exit``): ``--model NAME=PATH`` (repeatable; the first is the baseline) with
+``--text FILE`` (one held-back sentence a line) and ``--tokenizer DIR``. Every sentence is run alone
+(batch 1) through every model: top-1 agreement with the baseline on ``logits`` (and the exit-layer
+histogram where a model has an ``exit_layer`` output); then the first ``--batch1`` sentences are timed
+one by one, round-robin, CPU time, medians::
+
+    python tools/bench_early_exit.py --model base=base.onnx --model ee0.99=ee.onnx \
+        --text feeds/test.txt --tokenizer ~/.cache/graphopt/models/minilm-topics --batch1 120
 """
 
 from __future__ import annotations
@@ -85,8 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="mixed: pairs made per calibration first sentence (more calibration rows; held-back unchanged)")
     ap.add_argument("--confidence", type=float, default=0.95,
                     help="early-exit.confidence: lower-bound confidence of the tune agreement (0 = plain)")
+    ap.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                    help="files mode: a model to compare (the first is the baseline)")
+    ap.add_argument("--text", type=Path, help="files mode: held-back sentences, one a line")
+    ap.add_argument("--tokenizer", type=Path, help="files mode: the tokenizer's folder")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.model:
+        if not (args.text and args.tokenizer) or any("=" not in m for m in args.model):
+            ap.error("files mode needs --model NAME=PATH (one or more), --text and --tokenizer")
+        return _files(dict(m.split("=", 1) for m in args.model), args.text, args.tokenizer, args.batch1,
+                      args.rounds, args.json)
 
     from graphopt import bench
     from graphopt.data import metrics
@@ -180,6 +199,45 @@ def main(argv: list[str] | None = None) -> int:
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+def _files(models: dict[str, str], text: Path, tokenizer: Path, n_timed: int, rounds: int, out: Path | None) -> int:
+    """Files mode (see the module docstring): agreement at batch 1 on every sentence, timing on the first ones."""
+    import os
+
+    from graphopt import bench
+    from graphopt.data import metrics
+    from graphopt.exporters import text_feeds
+    from graphopt.runtime import session as runtime
+
+    lines = [t for t in text.read_text().splitlines() if t.strip()]
+    singles, _ = text_feeds.text_feeds(text_feeds.load_tokenizer(tokenizer), lines, batch=1, order="file")
+    sessions = bench.open_sessions(models)
+    names = list(models)
+    ref = runtime.run(sessions[names[0]], singles, outputs=["logits"])
+    rows: dict[str, dict] = {}
+    for n in names:
+        got = runtime.run(sessions[n], singles)
+        rows[n] = {"agreement": metrics.compare(got, ref, singles, outputs=["logits"]).worst("top1")}
+        if "exit_layer" in got[0]:
+            ex = np.concatenate([g["exit_layer"] for g in got])
+            rows[n]["histogram"] = np.bincount(ex).tolist()[1:]
+            rows[n]["mean_exit_layer"] = float(ex.mean())
+    timed = singles[:n_timed]
+    res = bench.bench_sessions(sessions, timed, rounds=rounds, clock="cpu")
+    for r, speedup in zip(res, bench.speedups(res).values()):
+        rows[r.name].update(ms=1e3 * r.p50 / len(timed), speedup=speedup)
+    load = os.getloadavg()
+    print(f"{len(lines)} held-back sentences at batch 1; {len(timed)} timed x {rounds} rounds (CPU time, 1 thread); "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    table = bench.Table(["model", "top-1 agreement", "ms/sentence", f"speed vs {names[0]}", "exit layers"])
+    table.header()
+    for n, r in rows.items():
+        table.row(n, f"{r['agreement']:.4f}", f"{r['ms']:.2f}", f"{r['speedup']:.2f}x", r.get("histogram", "-"))
+    if out:
+        out.write_text(json.dumps({"rows": rows, "sentences": len(lines), "timed": len(timed), "load": load},
+                                  indent=2) + "\n")
     return 0
 
 

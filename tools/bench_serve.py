@@ -14,6 +14,8 @@ wrong answer is counted, never dropped. Reports throughput and p50/p99 latency p
 
     python tools/bench_serve.py --model minilm-int8.onnx --plain minilm.onnx [--seconds 10] [--json out.json]
 
+``--generate``: decoders served for generation (tools/bench_serve_generate.py).
+
 Variants: the optimized model with dynamic batching, the same with batching off (``--max-batch 1``), and
 the plain export with batching (a padded model: batches group similar lengths) and without.
 """
@@ -172,6 +174,12 @@ def summary(phases: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--generate" in argv:  # decoders: tools/bench_serve_generate.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_serve_generate import main as generate_main
+
+        return generate_main(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="optimized model (int8 + remove-padding)")
     ap.add_argument("--plain", type=Path, required=True, help="the plain export (also the reference)")

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from graphopt.analysis.shapes import symbolic_infer
+from graphopt.analysis.shapes import proto_without_big_data, symbolic_infer
 from graphopt.opsets import MS_DOMAIN, node_domain, op_key
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def _concrete_shapes(model: ir.Model, batch: int, seq: int) -> dict[str, list[in
 
 
     try:
-        proto = ir.serde.serialize_model(model) if _small(model) else _proto_without_big_data(model)
+        proto = ir.serde.serialize_model(model) if _small(model) else proto_without_big_data(model)
         for vi in proto.graph.input:
             for d in vi.type.tensor_type.shape.dim:
                 if not d.HasField("dim_value"):
@@ -60,25 +60,6 @@ def _concrete_shapes(model: ir.Model, batch: int, seq: int) -> dict[str, list[in
 
 def _small(model: ir.Model) -> bool:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None) < 64 * 2**20
-
-
-def _proto_without_big_data(model: ir.Model):
-    """A ModelProto whose large initializers are graph inputs (shape only): cheap to infer."""
-    big = {n for n, v in model.graph.initializers.items() if v.const_value is not None and v.const_value.size > 4096}
-    g = model.graph
-    saved = {n: g.initializers[n] for n in big}
-    try:
-        for n in big:
-            g.initializers.pop(n)
-        proto = ir.serde.serialize_model(model)
-    finally:
-        for n, v in saved.items():
-            g.initializers[n] = v
-    for n, v in saved.items():
-        t = v.const_value
-        elem = ir.DataType(t.dtype).value
-        proto.graph.input.append(onnx.helper.make_tensor_value_info(n, elem, list(t.shape)))
-    return proto
 
 
 def _shape(v: ir.Value | None, shapes: dict[str, list[int]]) -> list[int] | None:

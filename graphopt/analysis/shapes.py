@@ -19,6 +19,9 @@ from functools import cache
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
+
+from graphopt import protostream
 
 
 class _OnnxWithoutSave:
@@ -96,3 +99,17 @@ def _add_handlers(mod) -> None:
 def symbolic_infer(proto, **kwargs):
     """``SymbolicShapeInference.infer_shapes(proto, **kwargs)``; writes no file anywhere."""
     return _module().SymbolicShapeInference.infer_shapes(proto, **kwargs)
+
+
+def proto_without_big_data(model: ir.Model, min_elements: int = 4096) -> onnx.ModelProto:
+    """A ModelProto of ``model`` whose initializers of ``min_elements`` or more are graph inputs (shape only).
+
+    Shape inference needs the weights' shapes, not their bytes: serializing them would copy every weight once
+    more. Small initializers (shape arithmetic, reshape targets) keep their values. ``model`` is unchanged.
+    """
+    big = protostream.big_initializers(model, min_elements=min_elements)
+    proto = protostream.serialize_without(model, {n for n, _ in big})
+    for n, v in big:
+        t = v.const_value
+        proto.graph.input.append(onnx.helper.make_tensor_value_info(n, ir.DataType(t.dtype).value, list(t.shape)))
+    return proto

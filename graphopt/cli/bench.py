@@ -9,6 +9,8 @@ import typer
 
 from graphopt.cli.options import Calib, InputShape, InputValue, Json, Provider, feed_overrides
 
+_GEN = "Decoders (--generate)"
+
 
 def command(
     models: Annotated[list[Path], typer.Argument(help="ONNX models; ratios are against the first.", show_default=False)],
@@ -17,11 +19,13 @@ def command(
     input_value: InputValue = None,
     batch: Annotated[int, typer.Option("--batch", help="Batch size of generated feeds (without --calib).")] = 1,
     seq: Annotated[int, typer.Option("--seq", help="Sequence length of generated feeds (without --calib).")] = 128,
-    threads: Annotated[str, typer.Option(
+    threads: Annotated[str | None, typer.Option(
         "--threads", help="ORT intra-op threads: one count, or a comma list (1,2,4) for throughput and scaling "
-        "per count, each count interleaved on its own.")] = "1",
-    rounds: Annotated[int, typer.Option("--rounds", help="Timed rounds (each runs every feed once per model).")] = 20,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed rounds first.")] = 2,
+        "per count, each count interleaved on its own [default: 1; 1,2 with --generate].")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", help="Timed rounds (each runs every feed once per model) "
+                                               "[default: 20; 3 with --generate].")] = None,
+    warmup: Annotated[int | None, typer.Option("--warmup", help="Untimed rounds first [default: 2; 1 with "
+                                               "--generate].")] = None,
     paired: Annotated[bool, typer.Option(
         "--paired", help="With --threads: all thread counts in one round-robin, each model's sessions back to "
         "back; scaling is the median over rounds of each round's ratio, and '÷ first' divides it by the first "
@@ -32,6 +36,44 @@ def command(
         "instances).")] = "threads",
     provider: Provider = "cpu",
     json_: Json = False,
+    generate: Annotated[bool, typer.Option(
+        "--generate", help="MODELS are decoders with past: time prefill and decode of a --context token prompt "
+        "and --max-new-tokens greedy tokens against the baselines (--hf, --gguf).", rich_help_panel=_GEN)] = False,
+    context: Annotated[int, typer.Option("--context", help="Prompt tokens.", rich_help_panel=_GEN)] = 128,
+    prompt_file: Annotated[Path | None, typer.Option(
+        "--prompt-file", help="Text whose first --context tokens are the prompt (default: a bundled held-out "
+        "text).", rich_help_panel=_GEN)] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="New tokens (EOS ignored).",
+                                                rich_help_panel=_GEN)] = 128,
+    tokenizer: Annotated[Path | None, typer.Option(
+        "--tokenizer", help="Tokenizer folder (default: beside the first model).", rich_help_panel=_GEN)] = None,
+    hf: Annotated[Path | None, typer.Option(
+        "--hf", help="Hugging Face folder: PyTorch eager fp32 reference and the ONNX Runtime GenAI builds.",
+        rich_help_panel=_GEN)] = None,
+    genai: Annotated[str, typer.Option(
+        "--genai", help="GenAI builder precisions to run on --hf (comma list of fp32,int4, or none).",
+        rich_help_panel=_GEN)] = "fp32,int4",
+    gguf: Annotated[Path | None, typer.Option("--gguf", help="GGUF file for the llama.cpp baseline.",
+                                              rich_help_panel=_GEN)] = None,
+    ppl_text: Annotated[Path | None, typer.Option(
+        "--ppl-text", help="Also report perplexity over non-overlapping windows of this text.",
+        rich_help_panel=_GEN)] = None,
+    ppl_window: Annotated[int, typer.Option("--ppl-window", help="Perplexity window (tokens).",
+                                            rich_help_panel=_GEN)] = 512,
+    rss: Annotated[bool, typer.Option(
+        "--rss/--no-rss", help="Measure each variant's peak RSS in a process of its own first.",
+        rich_help_panel=_GEN)] = True,
+    report: Annotated[Path | None, typer.Option("--report", help="With --generate: write the JSON document to "
+                                                "FILE.", metavar="FILE", rich_help_panel=_GEN)] = None,
+    speculative: Annotated[str, typer.Option(
+        "--speculative", help="With --generate: also run each model with this draft (auto, heads, layer-skip, lookup), interleaved "
+        "with its plain decoding; adds accepted_per_step and the speed-up.", rich_help_panel=_GEN)] = "off",
+    speculative_on: Annotated[str | None, typer.Option(
+        "--speculative-on", help="With --speculative: only these models (comma list of file names or paths) also "
+        "run with the draft [default: every model].", rich_help_panel=_GEN)] = None,
+    pytorch: Annotated[bool, typer.Option(
+        "--pytorch/--no-pytorch", help="With --hf: also run the PyTorch eager fp32 reference.",
+        rich_help_panel=_GEN)] = True,
 ) -> None:
     """Benchmark MODELS interleaved round-robin (intra-op spinning off): p50/p90 per round,
     throughput (batch items per second) and each model's speed-up over the first.
@@ -49,7 +91,12 @@ def command(
     Each model's sessions use the ONNX Runtime settings recorded in its metadata by `graphopt optimize`
     (graph optimization level, execution mode, inter-op threads); --json lists them.
 
+    With --generate, MODELS are decoders (see `graphopt generate`) and the baselines come from --hf
+    (PyTorch, ONNX Runtime GenAI) and --gguf (llama.cpp); each missing one is skipped with its reason.
+
     Example: graphopt bench base.onnx opt.onnx --calib feeds/ --rounds 30 --threads 1,2
+
+    Example: graphopt bench --generate model.onnx --hf hf/ --gguf model.gguf --threads 1,2 --report gen.json
     """
     import json
 
@@ -66,6 +113,22 @@ def command(
     from graphopt.data import feeds as feeds_mod
     from graphopt.errors import UsageError
 
+    if generate:
+        from graphopt.cli import bench_generate
+
+        bench_generate.run(models, tokenizer=tokenizer, hf=hf, genai=genai, gguf=gguf, context=context,
+                           prompt_file=prompt_file, max_new_tokens=max_new_tokens,
+                           threads=_thread_counts(threads or "1,2"), rounds=3 if rounds is None else rounds,
+                           warmup=1 if warmup is None else warmup, ppl_text=ppl_text, ppl_window=ppl_window,
+                           rss=rss, report=report, json_=json_, speculative=speculative,
+                           speculative_on=None if speculative_on is None else [x for x in speculative_on.split(",") if x],
+                           pytorch=pytorch)
+        return
+    if report is not None:
+        raise UsageError("--report is for --generate; plain bench prints JSON with --json")
+    threads = threads or "1"
+    rounds = 20 if rounds is None else rounds
+    warmup = 2 if warmup is None else warmup
     if rounds < 1:
         raise UsageError("--rounds must be at least 1")
     counts = _thread_counts(threads)

@@ -32,6 +32,14 @@ def command(
     external_data: Annotated[bool | None, typer.Option("--external-data/--no-external-data", help="Weights in model.onnx.data; default: only above 2 GB.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace REPO/NAME if it exists.")] = False,
     json_: Json = False,
+    genai: Annotated[bool, typer.Option(
+        "--genai", help="Write an ONNX Runtime GenAI folder instead (OUTPUT/genai_config.json, model.onnx, the "
+        "tokenizer files) for a decoder with past.")] = False,
+    tokenizer: Annotated[Path | None, typer.Option(
+        "--tokenizer", help="With --genai: folder of the tokenizer and config.json (default: beside the model).")] = None,
+    verify: Annotated[bool | None, typer.Option(
+        "--verify/--no-verify", help="With --genai: load OUTPUT with onnxruntime_genai and check its greedy tokens "
+        "equal graphopt generate's (default: when onnxruntime_genai is installed).")] = None,
 ) -> None:
     """Write REPO/NAME/{config.pbtxt, graphopt.json, 1/model.onnx} for Triton's onnxruntime backend.
 
@@ -39,6 +47,10 @@ def command(
     version and the providers the graph's ops need, and the input contract (what padding means).
     """
     from graphopt.cli.console import make_console
+
+    if genai:
+        _genai(model, output, tokenizer=tokenizer, force=force, verify=verify, json_=json_)
+        return
     from graphopt.deploy import deploy, read_manifest
 
     dst = deploy(model, output, name=name, max_batch=max_batch, provider=str(provider), instances=instances,
@@ -54,3 +66,27 @@ def command(
     make_console(highlight=False).print(
         f"wrote {dst}: onnxruntime >= {ort['min_version']} ({', '.join(ort['decided_by'])}), "
         f"providers {', '.join(ort['providers'])}, padding {man['input_contract']['padding']}")
+
+
+def _genai(model: Path, output: Path, *, tokenizer: Path | None, force: bool, verify: bool | None, json_: bool) -> None:
+    import importlib.util
+    import json
+
+    from graphopt.cli.console import make_console
+    from graphopt.deploy_genai import CONFIG_NAME, deploy_genai, probe_ids, verify_genai
+    from graphopt.errors import UsageError
+
+    have = importlib.util.find_spec("onnxruntime_genai") is not None
+    if verify and not have:
+        raise UsageError("--verify needs onnxruntime_genai", hint="pip install onnxruntime-genai, or --no-verify")
+    dst = deploy_genai(model, output, tokenizer=tokenizer, force=force)
+    checked = None
+    if verify or (verify is None and have):
+        checked = verify_genai(dst, probe_ids(dst))
+    if json_:
+        typer.echo(json.dumps({"path": str(dst), "genai_config": json.loads((dst / CONFIG_NAME).read_text()),
+                               "verified_tokens": checked}, indent=2))
+        return
+    how = (f"onnxruntime_genai's {len(checked)} greedy tokens equal graphopt generate's" if checked is not None
+           else "not verified (--no-verify)" if verify is False else "not verified (onnxruntime_genai not installed)")
+    make_console(highlight=False).print(f"wrote {dst} for ONNX Runtime GenAI: {how}")

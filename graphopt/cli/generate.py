@@ -32,6 +32,15 @@ def command(
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Folder of the tokenizer (default: the "
                                                    "model's folder), e.g. the Hugging Face folder exported.")] = None,
     json_out: Json = False,
+    speculative: Annotated[str, typer.Option("--speculative", help="Draft tokens and check them in one forward "
+                                             "(greedy tokens are plain decoding's; batch 1): lookup (prompt lookup), "
+                                             "heads (the graph's Medusa heads, pass speculative-heads), layer-skip "
+                                             "(the graph's first layers and exit head, pass layer-skip-draft), auto "
+                                             "(heads, else layer-skip when the graph carries them, else lookup), or "
+                                             "off.")] = "off",
+    draft: Annotated[Path | None, typer.Option("--draft", help="A smaller decoder (.onnx, the same tokenizer) "
+                                               "that drafts tokens for the model to check (implies speculative "
+                                               "decoding).")] = None,
 ) -> None:
     """Generate text with a decoder and its KV cache: prefill the prompt, then one decode step per token.
 
@@ -47,7 +56,8 @@ def command(
 
     result = generate_text(model, prompt, max_new_tokens=max_new_tokens, chat=chat, ignore_eos=ignore_eos,
                            sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-                           tokenizer=tokenizer, threads=threads or None, on_text=None if json_out else stream)
+                           tokenizer=tokenizer, threads=threads or None, on_text=None if json_out else stream,
+                           speculative=speculative, draft=draft)
     g = result.generation
     if json_out:
         import json
@@ -60,4 +70,5 @@ def command(
         return
     sys.stdout.write("\n")
     rate = "n/a" if g.decode_tokens_per_s is None else f"{g.decode_tokens_per_s:.1f} tokens/s"
-    typer.echo(f"{len(g.token_ids)} tokens ({g.finish}): prefill {g.prefill_ms:.1f} ms, decode {rate}", err=True)
+    spec = f", {g.accepted_per_step:.2f} drafted tokens accepted per step ({g.draft})" if hasattr(g, "draft") else ""
+    typer.echo(f"{len(g.token_ids)} tokens ({g.finish}): prefill {g.prefill_ms:.1f} ms, decode {rate}{spec}", err=True)

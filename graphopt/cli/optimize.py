@@ -16,6 +16,7 @@ from graphopt.cli.options import (
     Provider,
     Quiet,
     Report,
+    calib_or_text,
     feed_overrides,
 )
 
@@ -62,6 +63,7 @@ def command(
     workers: Annotated[int, typer.Option("--workers", help="--search: trials in parallel worker processes (0: in this process).")] = 1,
     ray: Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="--search: run the trials on this Ray cluster ('auto', 'local', host:port; needs the ray extra of graphopt).")] = None,
     search_passes: Annotated[str | None, typer.Option("--search-passes", help="--search: the lossy passes to explore (default: all).")] = None,
+    speed_check: Annotated[str, typer.Option("--speed-check", help="Time the output against the input and roll back lossless passes that made it slower: auto (when a timed round is cheap), on, off.")] = "auto",
     json_: Json = False,
     quiet: Quiet = False,
 ) -> None:
@@ -88,6 +90,9 @@ def command(
 
         if passes or recipe or set_:
             raise UsageError("--search chooses the passes itself", hint="drop --passes/--recipe/--set, or --search")
+        if parse_budget(budget).decoder:
+            raise UsageError("--search measures budgets on feeds; ppl_ratio and greedy_match are not searched",
+                             hint="drop --search and run --recipe int4 with that budget")
         search_cmd.run(model, out, calib=calib, budget=budget, provider=provider, time_limit=time_limit,
                        workers=workers, ray=ray, families=search_passes, report=report, json_=json_, quiet=quiet,
                        in_place=in_place)
@@ -96,10 +101,12 @@ def command(
         raise UsageError("--workers, --ray and --search-passes go with --search", hint="add --search")
     parsed_budget = parse_budget(budget)
     shapes, values = feed_overrides(input_shape, input_value, calib)
+    calib, text = calib_or_text(calib)
     options = OptimizeOptions(
-        recipe=recipe, passes=passes, overrides=set_ or [], calib=calib, input_shapes=shapes, input_values=values,
+        recipe=recipe, passes=passes, overrides=set_ or [], calib=calib, text=text, input_shapes=shapes,
+        input_values=values,
         budget=parsed_budget, provider=provider, verify_level=verify, keep_going=keep_going, strict=strict,
-        max_memory=max_memory, debug_dir=debug_dir, explain=explain,
+        max_memory=max_memory, debug_dir=debug_dir, explain=explain, speed_check=speed_check,
     )
 
     console = make_console(stderr=True)
@@ -132,6 +139,7 @@ def render(report, console=None) -> None:
     """Print the optimization report (``graphopt.engine.report.Report``): the per-pass table with rich (headers
     and pass names never split, see ``graphopt.cli.console``), then notes, rule counts, errors and the summary."""
     from graphopt.cli.console import make_console, table
+    from graphopt.engine import speed_guard
 
     console = console or make_console()
     t = table(f"graphopt optimize: {report.input}",
@@ -143,7 +151,8 @@ def render(report, console=None) -> None:
         delta = " ".join(f"{k.split('::')[-1]}{v:+d}" for k, v in top)
         if len(p.op_delta) > 4:
             delta += f" …+{len(p.op_delta) - 4}"
-        style = {"ok": "green", "rolled-back": "red", "error": "red", "budget-not-met": "red"}.get(p.status, "")
+        style = {"ok": "green", "rolled-back": "red", "error": "red", "budget-not-met": "red",
+                 "slower": "yellow"}.get(p.status, "")
         t.add_row(
             p.name,
             f"[{style}]{p.status}[/]",
@@ -162,6 +171,14 @@ def render(report, console=None) -> None:
             console.print(f"[dim]{p.name} rules: {rc}[/]", highlight=False)
         if p.error:
             console.print(f"[red]{p.name}: {p.error}[/]", highlight=False)
+    if report.edge_feeds:
+        console.print(f"[dim]edge feeds: {len(report.edge_feeds)} ({', '.join(report.edge_feeds)}), "
+                      "checked by every lossless pass[/]", highlight=False)
+    if report.speed and (report.speed.get("checked") or report.speed.get("reason", "off") != "off"):
+        console.print(f"[dim]{speed_guard.note(report.speed)}[/]", highlight=False)
+    if report.companions:
+        console.print(f"[dim]beside the output: {', '.join(report.companions)} (copied from the input's folder)[/]",
+                      highlight=False)
     if report.numerics.startswith("unverified"):
         console.print(f"[yellow]numerics {report.numerics}[/]", highlight=False)
     summary = f"{report.nodes_before} → {report.nodes_after} nodes in {report.seconds:.2f} s"
@@ -181,8 +198,13 @@ def _fmt_verif(v: dict) -> str:
         parts.append(f"max_abs {v['max_abs']:.2e}")
     if "cosine_min" in v:
         parts.append(f"cos_min {v['cosine_min']:.6f}")
+    for k in ("ppl_ratio", "greedy_match"):
+        if k in v:
+            parts.append(f"{k} {v[k]:.4f}")
     if not parts:
         parts.append(v.get("level", ""))
+    if v.get("edge"):
+        parts.append(f"+{v['edge']['feeds']} edge")
     if v.get("reason"):
         parts.append(v["reason"])
     return " ".join(parts)

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 Calib = Annotated[
     Path | None,
-    typer.Option("--calib", help="Folder of .npz feeds (input name -> array), e.g. from `graphopt feeds`."),
+    typer.Option("--calib", help="Folder of .npz feeds (input name -> array), e.g. from `graphopt feeds`; for a "
+                 "decoder budget (ppl_ratio, greedy_match) a UTF-8 text file instead."),
 ]
 Budget = Annotated[
     list[str] | None,
@@ -44,12 +45,19 @@ InputValue = Annotated[
 ]
 
 
+def calib_or_text(calib: Path | None) -> tuple[Path | None, Path | None]:
+    """``--calib``: (feeds folder, None), or (None, text file) when it names a file (decoder budgets)."""
+    if calib is not None and calib.is_file():
+        return None, calib
+    return calib, None
+
+
 def feed_overrides(input_shape: list[str] | None, input_value: list[str] | None, calib: Path | None):
     """Parsed ``--input-shape`` / ``--input-value`` ({name: dims}, {name: array}); usage errors name the problem."""
     from graphopt.errors import UsageError
 
     shapes, values = parse_input_shapes(input_shape), parse_input_values(input_value)
-    if calib is not None and (shapes or values):
+    if calib is not None and not calib.is_file() and (shapes or values):
         raise UsageError("--input-shape/--input-value shape generated feeds; --calib gives the feeds",
                          hint="use one or the other")
     return shapes, values

@@ -19,6 +19,7 @@ from graphopt.cli.options import (
     Json,
     Provider,
     Rtol,
+    calib_or_text,
     feed_overrides,
 )
 
@@ -50,8 +51,9 @@ def command(
     from graphopt.errors import EXIT_VERIFY
 
     shapes, values = feed_overrides(input_shape, input_value, calib)
+    calib, text = calib_or_text(calib)
     res = compare_models(reference, candidate, calib=calib, budget=budget, atol=atol, rtol=rtol, provider=provider,
-                         shapes=shapes, values=values)
+                         shapes=shapes, values=values, text=text)
     if json_:
         typer.echo(json.dumps(res.as_dict(), indent=2, default=str))
     else:
@@ -67,6 +69,10 @@ def command(
         c.print(t)
         c.print(f"max_rel = max |B-A| / |A| over the elements with |A| >= the floor ({REL_FLOOR:.0%} of the "
                 "output's largest |A| in a feed)", style="dim")
+        if res.comparison.decoder:
+            d = res.comparison.decoder
+            c.print(f"decoder on {res.text}: ppl_ratio {d['ppl_ratio']:.4f} (ppl {d['ppl']:.3f} vs "
+                    f"{d['ppl_reference']:.3f}), greedy_match {d['greedy_match']:.4f}", highlight=False)
         c.print("[green]ok[/]" if res.ok else "[red]FAILED:[/] " + "; ".join(res.failures), highlight=False)
     if not res.ok:
         raise typer.Exit(EXIT_VERIFY)

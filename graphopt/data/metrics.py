@@ -12,6 +12,11 @@ Metrics (worst over outputs when a model has several):
 elements does not read as a large relative error), ``cosine`` (mean over samples),
 ``cosine_min``, ``top1`` (argmax agreement along the last axis), ``mismatch`` (fraction of elements
 outside ``atol + rtol*|ref|``).
+
+Decoder metrics (:data:`DECODER_METRICS`; measured on text by ``graphopt.generate.quality``, carried in
+``Comparison.decoder``): ``ppl_ratio`` (perplexity of the candidate over the reference's, teacher-forced
+on held-back windows of text) and ``greedy_match`` (the mean over held-back prompts of the common prefix
+of the candidate's and the reference's greedy tokens, as a fraction of the tokens generated).
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ METRICS: dict[str, bool] = {
     "top1": True,
     "mismatch": False,
 }
+#: decoder metric -> True when larger is better (measured on text, not on feeds)
+DECODER_METRICS: dict[str, bool] = {
+    "ppl_ratio": False,
+    "greedy_match": True,
+}
+#: every metric a budget may name
+BUDGET_METRICS: dict[str, bool] = {**METRICS, **DECODER_METRICS}
 
 
 @dataclasses.dataclass
@@ -70,8 +82,13 @@ class Comparison:
     """Per-output diffs plus the worst value of each metric."""
 
     outputs: dict[str, OutputDiff]
+    #: decoder metrics measured on text (``ppl_ratio``, ``greedy_match``, and the two perplexities ``ppl``,
+    #: ``ppl_reference``); empty when none was measured
+    decoder: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def worst(self, metric: str) -> float:
+        if metric in DECODER_METRICS:  # not measured: NaN, which meets no budget term
+            return float(self.decoder.get(metric, math.nan))
         if not self.outputs:
             return 1.0 if METRICS[metric] else 0.0
         values = [getattr(d, metric) for d in self.outputs.values()]
@@ -80,7 +97,7 @@ class Comparison:
         return min(values) if METRICS[metric] else max(values)
 
     def summary(self) -> dict[str, float]:
-        return {m: self.worst(m) for m in METRICS}
+        return {**{m: self.worst(m) for m in METRICS}, **self.decoder}
 
     def within(self, atol: float, rtol: float) -> bool:
         """True when every element is within ``atol + rtol*|ref|`` (and int outputs are equal)."""
@@ -134,9 +151,9 @@ def _is_packed(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None) -> boo
 
 
 class _Accumulator:
-    def __init__(self, name: str, atol: float, rtol: float):
+    def __init__(self, name: str, atol: float, rtol: float, scale_atol: bool = False):
         self.d = OutputDiff(name)
-        self.atol, self.rtol = atol, rtol
+        self.atol, self.rtol, self.scale_atol = atol, rtol, scale_atol
         self.cos_sum = 0.0
         self.top1_hits = 0
         self.elements = 0
@@ -180,7 +197,11 @@ class _Accumulator:
         diff = np.where(nan_mismatch, np.inf, diff)
         d.max_abs = max(d.max_abs, float(np.max(diff)))
         d.max_rel = max(d.max_rel, self._max_rel(diff, np.abs(r_), nan_mismatch))
-        self.mismatched += int(np.count_nonzero(~(diff <= self.atol + self.rtol * np.abs(r_))))
+        atol = self.atol
+        if self.scale_atol:  # atol relative to the output's largest finite magnitude in this feed (at least 1)
+            finite = np.abs(r_[np.isfinite(r_)])
+            atol *= max(1.0, float(finite.max()) if finite.size else 1.0)
+        self.mismatched += int(np.count_nonzero(~(diff <= atol + self.rtol * np.abs(r_))))
         self.elements += diff.size
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             num = np.sum(g_ * r_, axis=-1)
@@ -221,15 +242,18 @@ class Comparer:
 
     ``add(got, ref, feed)`` takes the outputs of one feed (``feed`` supplies the attention mask);
     ``result()`` gives the same :class:`Comparison` as ``compare`` over all the feeds added, so a
-    caller never needs more than one feed's tensors in memory.
+    caller never needs more than one feed's tensors in memory. With ``scale_atol`` an element's
+    tolerance is ``atol * max(1, largest |ref| of the output in the feed) + rtol*|ref|`` (edge feeds
+    of huge magnitude, where rounding scales with the values and cancellation leaves small elements).
     """
 
-    def __init__(self, outputs: Sequence[str] | None = None, *, atol: float = 1e-4, rtol: float = 1e-4):
-        self.atol, self.rtol = atol, rtol
+    def __init__(self, outputs: Sequence[str] | None = None, *, atol: float = 1e-4, rtol: float = 1e-4,
+                 scale_atol: bool = False):
+        self.atol, self.rtol, self.scale_atol = atol, rtol, scale_atol
         self._names = list(outputs) if outputs is not None else None
         self._accs: dict[str, _Accumulator] = {}
         if self._names is not None:
-            self._accs = {n: _Accumulator(n, atol, rtol) for n in self._names}
+            self._accs = {n: _Accumulator(n, atol, rtol, scale_atol) for n in self._names}
 
     def add(self, got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray],
             feed: Mapping[str, np.ndarray] | None = None, *, names: Sequence[str] | None = None) -> None:
@@ -240,7 +264,7 @@ class Comparer:
         """
         if self._names is None:  # the first reference names the outputs, as in compare()
             self._names = list(ref.keys())
-            self._accs = {n: _Accumulator(n, self.atol, self.rtol) for n in self._names}
+            self._accs = {n: _Accumulator(n, self.atol, self.rtol, self.scale_atol) for n in self._names}
         mask = find_mask(feed) if feed is not None else None
         for n in self._names if names is None else names:
             if n not in got:
@@ -294,6 +318,11 @@ class BudgetTerm:
     op: str
     value: float
 
+    @property
+    def decoder(self) -> bool:
+        """A decoder metric (measured on text by ``graphopt.generate.quality``)."""
+        return self.metric in DECODER_METRICS
+
     def holds(self, comparison: Comparison) -> bool:
         return _OPS[self.op](comparison.worst(self.metric), self.value)
 
@@ -310,9 +339,20 @@ class Budget:
     def failures(self, comparison: Comparison) -> list[str]:
         out = comparison.nonfinite()  # whatever the terms say
         for t in self.terms:
-            if not t.holds(comparison):
+            if t.decoder and t.metric not in comparison.decoder:
+                out.append(f"{t} not measured (a decoder metric: it needs a decoder with past and text)")
+            elif not t.holds(comparison):
                 out.append(f"{t} not met: {t.metric}={comparison.worst(t.metric):.6g}")
         return out
+
+    @property
+    def decoder(self) -> bool:
+        """Any term is a decoder metric (``ppl_ratio``, ``greedy_match``)."""
+        return any(t.decoder for t in self.terms)
+
+    def without_decoder(self) -> Budget:
+        """The terms measured on feeds only."""
+        return Budget(tuple(t for t in self.terms if not t.decoder))
 
     def __bool__(self) -> bool:
         return bool(self.terms)
@@ -336,13 +376,21 @@ def parse_budget(specs: str | Sequence[str] | None) -> Budget:
             if not m:
                 raise UsageError(
                     f"malformed budget {part.strip()!r}",
-                    hint="write METRIC>=VALUE, e.g. 'cosine>=0.99'; metrics: " + ", ".join(METRICS),
+                    hint="write METRIC>=VALUE, e.g. 'cosine>=0.99' or 'ppl_ratio<=1.05'; metrics: "
+                    + ", ".join(BUDGET_METRICS),
                 )
             metric, op, value = m.group(1), m.group(2), float(m.group(3))
-            if metric not in METRICS:
+            if metric not in BUDGET_METRICS:
                 raise UsageError(
                     f"unknown budget metric {metric!r} in {part.strip()!r}",
-                    hint="metrics: " + ", ".join(METRICS),
+                    hint="metrics: " + ", ".join(BUDGET_METRICS),
                 )
+            if metric == "ppl_ratio" and (op in (">=", ">") or value < 1.0):
+                raise UsageError(f"budget {part.strip()!r}: ppl_ratio is the candidate's perplexity over the "
+                                 "reference's; bound it from above by a value >= 1",
+                                 hint="e.g. 'ppl_ratio<=1.05'")
+            if metric == "greedy_match" and (op in ("<=", "<") or not 0.0 <= value <= 1.0):
+                raise UsageError(f"budget {part.strip()!r}: greedy_match is a fraction; bound it from below "
+                                 "by a value in [0, 1]", hint="e.g. 'greedy_match>=0.9'")
             terms.append(BudgetTerm(metric, op, value))
     return Budget(tuple(terms))

@@ -2,7 +2,7 @@
 
 The recipe is resolved from it in one place (:meth:`OptimizeOptions.resolve_recipe`): a recipe given
 as a :class:`~graphopt.engine.recipe.Recipe`, a TOML file or a builtin name; else the ``passes``
-named; else the default recipe for the provider; ``overrides`` (``--set PASS.KEY=VALUE``) applied on top.
+named; else the default recipe for the provider (``decoder`` for a causal LM with past); ``overrides`` (``--set PASS.KEY=VALUE``) applied on top.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ class OptimizeOptions:
     feeds: Sequence[Mapping[str, np.ndarray]] | None = None
     #: folder of ``.npz`` feeds (``graphopt.data.feeds.folder``)
     calib: str | os.PathLike | None = None
+    #: decoder budgets (``ppl_ratio``, ``greedy_match``): a UTF-8 text file cut into calibration and held-back
+    #: windows (``graphopt.generate.quality``); None: the default held-out text
+    text: str | os.PathLike | None = None
+    #: the tokenizer folder for ``text``; None: the one beside the model, else UTF-8 bytes as token ids
+    tokenizer: str | os.PathLike | None = None
     #: shapes and values of inputs in generated feeds (``--input-shape`` / ``--input-value``)
     input_shapes: Mapping[str, Sequence[int]] | None = None
     input_values: Mapping[str, np.ndarray] | None = None
@@ -51,9 +56,18 @@ class OptimizeOptions:
     debug_dir: str | os.PathLike | None = None
     #: passes say why expected patterns did not match
     explain: bool = False
+    #: lossless passes are checked on edge feeds too (zeros, extreme magnitudes and ids, shortest and longest
+    #: lengths: ``graphopt.data.feeds.edge``) when feeds are generated
+    edge_feeds: bool = True
+    #: the "never slower" guard (``graphopt.engine.speed_guard``): ``auto`` (when timing is cheap; what
+    #: ``graphopt optimize`` runs), ``on``, ``off`` (the default here: services built on the pipeline and
+    #: measuring on their own, such as ``search``, do not pay for it)
+    speed_check: str = "off"
 
-    def resolve_recipe(self) -> recipe_mod.Recipe:
-        """The recipe this run follows, with ``overrides`` applied (a given Recipe object is not changed)."""
+    def resolve_recipe(self, model=None) -> recipe_mod.Recipe:
+        """The recipe this run follows, with ``overrides`` applied (a given Recipe object is not changed).
+        The default recipe depends on ``model`` (an ``onnx_ir`` model, when given): ``decoder`` for a causal
+        LM with past (``recipe.is_decoder_with_past``), else ``default``."""
         if isinstance(self.recipe, recipe_mod.Recipe):
             rec = self.recipe
             if self.overrides:
@@ -64,7 +78,7 @@ class OptimizeOptions:
         elif self.passes:
             rec = recipe_mod.from_pass_list(self.passes)
         else:
-            rec = recipe_mod.default(self.provider)
+            rec = recipe_mod.default(self.provider, model)
         if self.overrides:
             rec.apply_overrides(self.overrides)
         return rec

@@ -26,11 +26,13 @@ import onnx_ir as ir
 from graphopt import io, memory
 from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import compare
-from graphopt.engine import provenance, registry
+from graphopt.engine import provenance, registry, speed_guard
+from graphopt.engine import recipe as recipe_mod
 from graphopt.engine.options import OptimizeOptions
 from graphopt.engine.report import PassRecord, Report
 from graphopt.engine.verify import Verdict, check_level, check_structure, run_model, run_session, verify
 from graphopt.errors import GraphoptError, RuntimeSetupError, UsageError, VerificationError
+from graphopt.generate import chat, quality
 from graphopt.opsets import count_nodes, op_delta, op_histogram
 from graphopt.runtime import session_hints, standins
 from graphopt.runtime.session import PROVIDERS, cuda_available, make_session
@@ -74,13 +76,47 @@ def _tag_new_nodes(model: ir.Model, before: provenance.Snapshot, pass_name: str)
     return provenance.record(model, before, pass_name)
 
 
+class _EdgeState:
+    """The edge feeds of a run and the last good model's outputs on them (None: no longer checked)."""
+
+    def __init__(self, feeds, labels: list[str], outputs):
+        self.feeds, self.labels = list(feeds), labels
+        self.outputs = outputs if self.feeds else None
+
+    def sliced(self, sliced: Mapping[str, tuple[str, int, int]]):
+        """The reference on the edge feeds under a pass's output-contract change; None when there is none."""
+        if self.outputs is None:
+            return None
+        try:
+            return _slice_outputs(self.outputs, sliced)
+        except (IndexError, KeyError, ValueError):  # a position an edge feed's length lacks
+            self._drop(f"their outputs cannot be sliced as {sorted(sliced)}")
+            return None
+
+    def accept(self, model: ir.Model, verdict: Verdict, *, exact: bool) -> None:
+        """``model`` passed: its outputs on the edge feeds are the next reference."""
+        if self.outputs is None:
+            return
+        if exact and verdict.edge_outputs is not None:
+            self.outputs = verdict.edge_outputs
+            return
+        try:  # a lossy pass was checked without them: its model's outputs on them, for the passes after it
+            self.outputs = run_model(model, self.feeds)
+        except GraphoptError as e:
+            self._drop(f"the model after a lossy pass does not run them ({e.message})")
+
+    def _drop(self, why: str) -> None:
+        logger.warning("edge feeds are no longer checked: %s", why)
+        self.outputs = None
+
+
 def optimize(
     model: ir.Model | str | os.PathLike,
     options: OptimizeOptions | None = None,
     *,
     on_step: Callable[[str, int, int], None] | None = None,
 ) -> Result:
-    """Run the recipe of ``options`` (default: the builtin default recipe; see
+    """Run the recipe of ``options`` (default: the builtin default recipe, ``decoder`` for a causal LM with past; see
     :meth:`~graphopt.engine.options.OptimizeOptions.resolve_recipe`) on ``model``; ``on_step(name, i, n)``
     is called before each pass.
 
@@ -100,17 +136,19 @@ def optimize(
         ok, why = cuda_available()
         logger.warning("passes target CUDA; verification runs on CPU%s", "" if ok else f" (no CUDA here: {why})")
     budget = o.resolve_budget()
-    recipe = o.resolve_recipe()
+    src = ""
+    if not isinstance(model, ir.Model):
+        src = str(model)
+        model = io.load(model, in_place=True)  # a large self-contained file: its weights stay in it
+    recipe = o.resolve_recipe(model)  # the default recipe depends on the graph (decoder with past)
+    # a decoder's logits (|logit| up to ~40) differ by a few 1e-4 under any reordering of its sums (ONNX Runtime's
+    # own graph optimizer on the input does): its lossless tolerance scales with the logits' magnitude
+    decoder_graph = recipe_mod.is_decoder_with_past(model)
     instances = recipe.build()
     if budget and all(p.exact for p in instances):
         raise UsageError(f"--budget applies to lossy passes; this run has only lossless ones "
                          f"({', '.join(p.name for p in instances)})",
                          hint="drop --budget, or run a lossy pass too (e.g. --recipe int8)")
-
-    src = ""
-    if not isinstance(model, ir.Model):
-        src = str(model)
-        model = io.load(model)
 
     report = Report(input=src, recipe=recipe.name, verify=verify_level, provider=provider, budget=str(budget))
     report.nodes_before = count_nodes(model)
@@ -122,6 +160,7 @@ def optimize(
     # (confirmed by running the input model); when no generated feed runs it, numerics go unverified and
     # structure is checked
     reference = None
+    ref_timing: dict[str, float] = {}  # how long the reference session took to make and run (the speed guard)
     if verify_level != "numeric":
         selection = feeds_mod.select(model, **chosen, generated=False)
     if verify_level != "off":
@@ -132,11 +171,19 @@ def optimize(
             if verify_level == "numeric":
                 given = o.feeds is not None or o.calib is not None
                 try:
+                    t_sess = time.perf_counter()
                     sess = make_session(data if data is not None else proto, provider="cpu", optimize=False,
                                         prepack=data is not None)
+                    ref_timing["session"] = time.perf_counter() - t_sess
+
+                    def run_ref(fs):
+                        t_run = time.perf_counter()
+                        outs = run_session(sess, fs)
+                        ref_timing.setdefault("run", time.perf_counter() - t_run)  # the feeds, not edge feeds
+                        return outs
+
                     try:
-                        selection = feeds_mod.select(model, **chosen, run=lambda fs: run_session(sess, fs),
-                                                     required=False)
+                        selection = feeds_mod.select(model, **chosen, run=run_ref, required=False, edge=o.edge_feeds)
                     finally:
                         # the reference outputs are kept (spilled past a memory budget), the session
                         # is not: the candidates' sessions are built one after the other without it
@@ -153,13 +200,30 @@ def optimize(
                     report.numerics = f"unverified: {selection.reason}"
                     verify_level = report.verify = "structure"
     memory.trim()  # the reference session is gone: give its memory back before the passes run
+    decoder_check = None
+    if any((b := registry.resolve_budget(p, budget)) is not None and b.decoder for p in instances):
+        # decoder budgets: the input model's perplexity and greedy tokens on the calibration and held-back
+        # text windows, once (graphopt.generate.quality)
+        decoder_check = quality.decoder_check(make_session(model, threads=1), model_path=src or None, text=o.text,
+                                              tokenizer=o.tokenizer)
+        report.text = decoder_check.rows.describe()
     all_feeds = selection.feeds
     calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)
     held_from = len(calib_feeds) if check_feeds is not calib_feeds else 0  # all_feeds[held_from:] == check_feeds
     report.feeds = feeds_mod.describe(all_feeds) if all_feeds else "none"
+    # edge feeds (graphopt.data.feeds.edge) check lossless passes only; lossy ones never see them
+    edge = _EdgeState(selection.edge_feeds, list(selection.edge_labels), selection.edge_outputs)
+    report.edge_feeds = list(edge.labels)
 
     good = model
     prev_out = reference
+    # the "never slower" guard (graphopt.engine.speed_guard) times the models after each modifying step
+    snapshots: list[speed_guard.Snapshot] | None = None
+    if speed_guard.keeps_snapshots(o.speed_check, model):
+        if provider == "cpu":
+            snapshots = []
+        else:
+            report.speed = {"checked": False, "reason": "skipped: the passes target CUDA, timing is on CPU"}
     for i, (step, p) in enumerate(zip(recipe.steps, instances)):
         if on_step:
             on_step(step.pass_name, i, len(instances))
@@ -173,6 +237,7 @@ def optimize(
             calib_feeds=calib_feeds,
             budget=step_budget,
             explain=o.explain,
+            decoder=decoder_check if step_budget is not None and step_budget.decoder else None,
         )
         work = good.clone()
         before_ids = _node_ids(work)
@@ -194,19 +259,23 @@ def optimize(
         if candidate is not None and rec.modified:
             if candidate is work:
                 _tag_new_nodes(candidate, before_ids, p.name)
+            io.unmap(good), io.unmap(candidate)  # the weights the pass read: ORT maps them again, once
             tv = time.perf_counter()
             sliced = result.sliced_outputs if result is not None else {}
             step_prev = _slice_outputs(prev_out, sliced)
             where = f"after pass {p.name!r}"
             try:
+                edge_ref = edge.sliced(sliced)
                 if p.exact:
                     verdict = verify(candidate, level=verify_level, feeds=all_feeds, reference=step_prev,
-                                     atol=p.atol, rtol=p.rtol, provider="cpu", where=where)
+                                     atol=p.atol, rtol=p.rtol, provider="cpu", where=where,
+                                     edge_feeds=edge.feeds if edge_ref is not None else (),
+                                     edge_reference=edge_ref, edge_labels=edge.labels, scale_atol=decoder_graph)
                 else:
                     # the budget is confirmed on the feeds held back from calibration
                     verdict = verify(candidate, level=verify_level, feeds=check_feeds,
                                      reference=None if reference is None else _slice_outputs(reference, sliced)[held_from:],
-                                     budget=step_budget, provider="cpu", where=where)
+                                     budget=step_budget, provider="cpu", where=where, decoder=ctx.decoder)
                     if verdict.ok and verdict.outputs is not None and held_from:
                         verdict.outputs = run_model(candidate, all_feeds)  # later passes compare on every feed
             except (GraphoptError, TypeError, AttributeError, ValueError) as e:
@@ -221,11 +290,16 @@ def optimize(
             if verdict.stand_ins:  # CUDA-only ops ran as standard-op stand-ins on CPU
                 rec.verification["cpu_stand_ins"] = list(verdict.stand_ins)
                 rec.notes.append(standins.note(verdict.stand_ins))
+            if verdict.edge:
+                rec.verification["edge"] = verdict.edge
             if verdict.ok:
                 good = candidate
                 prev_out, reference = step_prev, _slice_outputs(reference, sliced)
                 if verdict.outputs is not None:
                     prev_out = verdict.outputs
+                edge.accept(candidate, verdict, exact=p.exact)
+                if snapshots is not None:
+                    snapshots.append(speed_guard.Snapshot(i, p.name, p.exact, good))
             else:
                 rec.status = "rolled-back"
                 rec.verification["reason"] = verdict.reason
@@ -256,6 +330,12 @@ def optimize(
                 report.ok = False
                 break
 
+    if snapshots is not None and report.ok:
+        estimate = (speed_guard.estimate_check(ref_timing["session"], ref_timing["run"])
+                    if {"session", "run"} <= set(ref_timing) else None)
+        good = _speed_check(o, recipe, model, good, snapshots, all_feeds, report, estimate)
+        if report.speed.get("rolled_back") and reference is not None:
+            prev_out = run_model(good, all_feeds)
     # what the model needs from its ORT session to run fast (graphopt.runtime.session_hints), in its metadata
     session_hints.record(good)
     report.nodes_after = count_nodes(good)
@@ -265,6 +345,34 @@ def optimize(
         report.final = compare(prev_out, reference, all_feeds).summary()
     report.seconds = time.perf_counter() - t_start
     return Result(good, report)
+
+
+def _speed_check(o: OptimizeOptions, recipe, model: ir.Model, good: ir.Model, snapshots, feeds, report: Report,
+                 estimate: float | None):
+    """Run the speed guard; roll back the lossless steps it finds slower by re-running the recipe without them."""
+
+    def rerun(start: ir.Model, first: int, skip: set[int]):
+        keep = [i for i in range(first + 1, len(recipe.steps)) if i not in skip]
+        if not keep:
+            return start, {}
+        sub = dataclasses.replace(recipe, steps=[recipe.steps[i] for i in keep])
+        opts = dataclasses.replace(o, recipe=sub, passes=None, overrides=(), feeds=list(feeds), calib=None,
+                                   input_shapes=None, input_values=None, speed_check="off", debug_dir=None)
+        res = optimize(start, opts)
+        return res.model, dict(zip(keep, res.report.passes))
+
+    outcome = speed_guard.guard(o.speed_check, model, good, snapshots, feeds, rerun, estimate=estimate)
+    report.speed = outcome.info
+    for i, timing in outcome.rolled_back.items():
+        rec = report.passes[i]
+        rec.status = "slower"
+        rec.nodes_after, rec.op_delta = rec.nodes_before, {}
+        rec.notes.append(f"rolled back: {timing.speedup:.2f}x the model before it (median of {len(timing.ratios)} "
+                         "interleaved rounds); the recipe was re-run without it")
+    for i, rec in (outcome.rerun or {}).items():
+        rec.notes.append("re-run after a slower pass was rolled back")
+        report.passes[i] = rec
+    return outcome.model
 
 
 def optimize_file(
@@ -291,6 +399,8 @@ def optimize_file(
     if result.ok:
         io.save(result.model, output, external_data=external_data, src=model, in_place=in_place)
         result.report.output = str(output)
+        if recipe_mod.is_decoder_with_past(result.model):  # generate and serve read them beside the model
+            result.report.companions = chat.copy_companions(Path(model).parent, Path(output).parent)
     return result
 
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import onnx_ir as ir
 
 from graphopt.engine import registry
 from graphopt.errors import RecipeError, UsageError
@@ -130,8 +133,23 @@ def builtin_names() -> list[str]:
     return sorted(f.name[:-5] for f in files.iterdir() if f.name.endswith(".toml") and "." not in f.name[:-5])
 
 
-def default(provider: str = "cpu") -> Recipe:
-    """The builtin default recipe for ``provider`` (``default.cuda.toml`` for cuda)."""
+_PAST_INPUT = re.compile(r"^past_key_values\.\d+\.(key|value)$")
+_PRESENT_OUTPUT = re.compile(r"^present\.\d+\.(key|value)$")
+
+
+def is_decoder_with_past(model: ir.Model) -> bool:
+    """Whether ``model`` is a causal LM with past (``attention_mask`` and ``past_key_values.N.*`` inputs,
+    ``present.N.*`` outputs): its default recipe is ``decoder``."""
+    ins = [v.name or "" for v in model.graph.inputs]
+    return ("attention_mask" in ins and any(_PAST_INPUT.match(n) for n in ins)
+            and any(_PRESENT_OUTPUT.match(v.name or "") for v in model.graph.outputs))
+
+
+def default(provider: str = "cpu", model: ir.Model | None = None) -> Recipe:
+    """The builtin default recipe for ``provider`` (``default.cuda.toml`` for cuda); for a causal LM with
+    past (``is_decoder_with_past``) the ``decoder`` recipe."""
+    if model is not None and is_decoder_with_past(model):
+        return load("decoder", provider=provider)
     return load("default", provider=provider)
 
 

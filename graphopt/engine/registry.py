@@ -46,7 +46,9 @@ from graphopt.errors import GraphoptError, PassError, UsageError, first_line
 
 #: the modules of ``graphopt.rewrites`` that define the builtin passes (one ``register`` call each)
 BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "convert_precision",
-                                    "prune_heads", "early_exit", "sparsify", "contextual_sparsity", "cut_positions")
+                                    "prune_heads", "early_exit", "sparsify", "contextual_sparsity", "cut_positions",
+                                    "merge_projections", "group_query_attention", "kv_cache_quant",
+                                    "decode_sparsity", "speculative_heads", "q8_tables", "layer_skip")
 
 Feed = Mapping[str, np.ndarray]
 
@@ -68,6 +70,9 @@ class PassContext:
     budget_given: bool = True
     #: say why expected patterns did not match (in the result's notes)
     explain: bool = False
+    #: decoder budgets (``ppl_ratio``, ``greedy_match``): the input model's perplexity and greedy tokens on
+    #: the calibration and held-back text windows (``graphopt.generate.quality.DecoderCheck``), or None
+    decoder: Any = None
 
 
 @dataclasses.dataclass
@@ -113,6 +118,9 @@ class GraphoptPass(ir.passes.InPlacePass):
     rtol: ClassVar[float] = 1e-4
     emits: ClassVar[tuple[str, ...]] = ()
     run_after: ClassVar[tuple[str, ...]] = ()
+    #: lossless passes: False for one that only a model family's recipe runs (the default recipe runs every
+    #: other lossless pass)
+    in_default_recipe: ClassVar[bool] = True
     #: lossy passes: the budget verified when the user gives none (most: ``metrics.DEFAULT_BUDGET``);
     #: read by :func:`resolve_budget`, never parsed by the pass itself
     default_budget: ClassVar[str] = ""
@@ -259,7 +267,9 @@ def builtin() -> Registry:
         except Exception as e:  # any failure of a builtin module is fatal and named
             raise PassLoadError(f"cannot load the builtin pass module {full}: {type(e).__name__}: {first_line(e)}",
                                 hint="a broken install or a bug in that module; --debug shows the traceback") from e
-        classes = _DECLARED.get(module.__name__, [])
+        # a pass package may declare its passes in its submodules (``quantize.decoder_int4``)
+        classes = [c for m, cs in _DECLARED.items() if m == module.__name__ or m.startswith(module.__name__ + ".")
+                   for c in cs]
         if not classes:
             raise PassLoadError(f"builtin pass module {full} registers no pass")
         for cls in classes:

@@ -24,7 +24,7 @@ class PassRecord:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     exact: bool = True
     modified: bool = False
-    status: str = "ok"  # ok | rolled-back | error | budget-not-met
+    status: str = "ok"  # ok | rolled-back | error | budget-not-met | slower (rolled back by the speed guard)
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
@@ -41,10 +41,16 @@ class Report:
 
     input: str = ""
     output: str = ""
+    #: a decoder's tokenizer and config files copied from the input's folder beside the output
+    companions: list[str] = dataclasses.field(default_factory=list)
     recipe: str = ""
     verify: str = "numeric"
     provider: str = "cpu"
     feeds: str = ""
+    #: decoder budgets: the text windows the decoder metrics are measured on ("" when none)
+    text: str = ""
+    #: labels of the edge feeds lossless passes were checked on too (``graphopt.data.feeds.edge``)
+    edge_feeds: list[str] = dataclasses.field(default_factory=list)
     #: "verified", "unverified: <reason>" (no feed ran the input model: structure checked only),
     #: or "not checked (--verify LEVEL)"
     numerics: str = ""
@@ -55,6 +61,9 @@ class Report:
     ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     final: dict[str, Any] = dataclasses.field(default_factory=dict)  # vs the input model
+    #: the speed guard (``graphopt.engine.speed_guard``): checked, speedup (median t(input)/t(output)),
+    #: rounds, rolled_back (pass names), seconds; or checked False and the reason
+    speed: dict[str, Any] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     ok: bool = True
 

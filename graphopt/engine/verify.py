@@ -28,6 +28,7 @@ from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import Budget, Comparer, Comparison, compare, parse_budget
 from graphopt.data.outputs import OutputStore
 from graphopt.errors import RuntimeSetupError, UsageError, VerificationError, first_line
+from graphopt.generate import quality, quant_cache
 from graphopt.runtime import session as runtime
 
 LEVELS = ("off", "structure", "numeric")
@@ -93,6 +94,10 @@ class Verdict:
     outputs: OutputStore | None = None  # per-feed outputs (list-like; see graphopt.data.outputs)
     #: CUDA-only op types that ran as their CPU stand-ins (graphopt.runtime.standins), not as themselves
     stand_ins: list[str] = dataclasses.field(default_factory=list)
+    #: outputs on the edge feeds (graphopt.data.feeds.edge), when there were any; and how they compared:
+    #: ``{"feeds": n, "max_abs": worst, "failed": [labels]}``
+    edge_outputs: OutputStore | None = None
+    edge: dict = dataclasses.field(default_factory=dict)
 
     def numbers(self) -> dict:
         return self.comparison.summary() if self.comparison is not None else {}
@@ -112,7 +117,7 @@ def run_model(
     grow with the number of feeds. An ``onnx_ir`` model with CUDA-only ops runs through their
     stand-ins where CUDA is not used.
     """
-    return run_session(_session(model, provider, optimize), feeds)
+    return run_session(quant_cache.float_io(_session(model, provider, optimize), model), feeds)
 
 
 def _session(model, provider: str, optimize: bool = False):
@@ -169,11 +174,24 @@ def verify(
     budget: Budget | None = None,
     provider: str = "cpu",
     where: str = "model",
+    decoder=None,
+    edge_feeds: Sequence[Mapping[str, np.ndarray]] = (),
+    edge_reference: Sequence[Mapping[str, np.ndarray]] | None = None,
+    edge_labels: Sequence[str] = (),
+    scale_atol: bool = False,
 ) -> Verdict:
     """Verify ``model`` at ``level``; numerics compare against ``reference`` outputs.
 
     With a non-empty ``budget`` the budget decides (lossy passes); otherwise every element must be
-    within ``atol + rtol*|ref|`` (lossless passes). Never raises for a failed check: the verdict says.
+    within ``atol + rtol*|ref|`` (lossless passes; ``scale_atol``: ``atol * max(1, largest |ref| of the output)``,
+    what a decoder's logits get). ``decoder`` (a ``graphopt.generate.quality.DecoderCheck``)
+    adds the decoder metrics measured on its held-back text to the comparison (budgets with ``ppl_ratio`` /
+    ``greedy_match``). Never raises for a failed check: the verdict says.
+
+    ``edge_feeds`` (``graphopt.data.feeds.edge``, named by ``edge_labels``) run in the same session; against
+    ``edge_reference`` each must hold on its own, within ``atol * max(1, largest |ref|) + rtol*|ref|``
+    (their magnitudes are extreme: rounding grows with them) and with no NaN or Inf the reference
+    lacks. Their numbers go to ``Verdict.edge``, not into ``comparison``.
     """
     check_level(level)
     if level == "off":
@@ -187,12 +205,21 @@ def verify(
     except ValueError as e:
         return Verdict(level, False, reason=f"{where}: no CPU stand-in: {e}")
     with io.materialize(run_as) as proto:
-        verdict = _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where)
+        verdict = _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where,
+                                       _Edge(list(edge_feeds), edge_reference, list(edge_labels)), decoder, scale_atol)
     verdict.stand_ins = stand_ins
     return verdict
 
 
-def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where) -> Verdict:
+@dataclasses.dataclass
+class _Edge:
+    feeds: list
+    reference: Sequence[Mapping[str, np.ndarray]] | None
+    labels: list[str]
+
+
+def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, provider, where,
+                         edge: _Edge | None = None, decoder=None, scale_atol: bool = False) -> Verdict:
     # serialize once for both the checker and ORT (a 90 MB model costs ~0.1 s a copy)
     data = proto.SerializeToString() if isinstance(proto, onnx.ModelProto) else None
     try:
@@ -209,35 +236,77 @@ def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, pro
     if reference is not None and len(reference) != len(feeds):
         raise ValueError(f"{len(feeds)} feeds against {len(reference)} references")
     # feed by feed: each feed's outputs are compared as they come, then kept only in the store
-    comparer = Comparer(atol=atol, rtol=rtol) if reference is not None else None
+    comparer = Comparer(atol=atol, rtol=rtol, scale_atol=scale_atol) if reference is not None else None
     try:
-        outs = run_session(_session(data if data is not None else proto, provider), feeds, comparer, reference)
+        sess = _session(data if data is not None else proto, provider)
+        # a graph holding its KV cache quantized is fed and read with float past / present (quant_cache)
+        outs = run_session(quant_cache.float_io(sess, proto), feeds, comparer, reference)
     except RuntimeSetupError as e:
         return Verdict(level, False, reason=f"{where}: {e.message}")
+    edge_outs, edge_summary, edge_fails = _run_edge(sess, edge, atol, rtol)
     if comparer is None:
-        return Verdict(level, True, outputs=outs)
+        return Verdict(level, True, outputs=outs, edge_outputs=edge_outs, edge=edge_summary)
     cmp = comparer.result()
+    if decoder is not None:
+        cmp.decoder.update(decoder.measure(sess, quality.HELD))
+    del sess
     if budget:
         fails = budget.failures(cmp)
         ok = not fails
         reason = "; ".join(fails)
     else:
         ok = cmp.within(atol, rtol)
-        reason = "" if ok else _describe_mismatch(cmp, atol, rtol)
+        reason = "" if ok else _describe_mismatch(cmp, atol, rtol, scale_atol)
     if ok and any(d.shape_mismatch for d in cmp.outputs.values()):
         ok = False
         reason = "; ".join(f"output {d.name!r}: {d.shape_mismatch}" for d in cmp.outputs.values() if d.shape_mismatch)
-    return Verdict(level, ok, comparison=cmp, reason=reason if not ok else "", outputs=outs)
+    if ok and edge_fails:
+        ok, reason = False, "; ".join(edge_fails)
+    return Verdict(level, ok, comparison=cmp, reason=reason if not ok else "", outputs=outs,
+                   edge_outputs=edge_outs, edge=edge_summary)
 
 
-def _describe_mismatch(cmp: Comparison, atol: float, rtol: float) -> str:
+def _run_edge(sess, edge: _Edge | None, atol: float, rtol: float) -> tuple[OutputStore | None, dict, list[str]]:
+    """Outputs on the edge feeds, their summary and the failures (each feed compared on its own)."""
+    if edge is None or not edge.feeds:
+        return None, {}, []
+    outs, fails, failed, worst = OutputStore(), [], [], 0.0
+    for i, feed in enumerate(edge.feeds):
+        label = edge.labels[i] if i < len(edge.labels) else f"#{i}"
+        comparer = Comparer(atol=atol, rtol=rtol, scale_atol=True) if edge.reference is not None else None
+        try:
+            got = run_session(sess, [feed], comparer, None if comparer is None else [edge.reference[i]])
+        except RuntimeSetupError as e:
+            fails.append(f"edge feed {label!r}: {e.message}")
+            failed.append(label)
+            continue
+        outs.append(got[0])
+        if comparer is None:
+            continue
+        cmp = comparer.result()
+        worst = max(worst, cmp.worst("max_abs"))
+        bad = cmp.nonfinite() + [f"output {d.name!r}: {d.shape_mismatch}" for d in cmp.outputs.values()
+                                 if d.shape_mismatch]
+        if not bad and not cmp.within(atol, rtol):
+            d = cmp.worst_output("max_abs")
+            bad = [f"output {d.name!r}: max_abs {d.max_abs:.3g} (tolerance {atol:g}*max(1,|ref|max) + {rtol:g}*|ref|)"]
+        fails.extend(f"edge feed {label!r}: {b}" for b in bad)
+        failed.extend([label] if bad else [])
+    summary = {"feeds": len(edge.feeds)}
+    if edge.reference is not None:
+        summary.update(max_abs=worst, failed=failed)
+    return outs, summary, fails
+
+
+def _describe_mismatch(cmp: Comparison, atol: float, rtol: float, scale_atol: bool = False) -> str:
+    scaled = "*max(1,|ref|max)" if scale_atol else ""
     parts = cmp.nonfinite()
     for d in cmp.outputs.values():
         if d.shape_mismatch:
             parts.append(f"output {d.name!r}: {d.shape_mismatch}")
         elif d.mismatch:
             parts.append(
-                f"output {d.name!r}: max_abs {d.max_abs:.3g} (tolerance {atol:g} + {rtol:g}*|ref|), "
+                f"output {d.name!r}: max_abs {d.max_abs:.3g} (tolerance {atol:g}{scaled} + {rtol:g}*|ref|), "
                 f"{100 * d.mismatch:.2f}% of elements off, cosine min {d.cosine_min:.6f}"
             )
     return "; ".join(parts)
@@ -252,6 +321,8 @@ class ModelComparison:
     budget: Budget
     #: why the candidate fails (budget terms, tolerance, outputs missing from it); empty when it passes
     failures: list[str]
+    #: the text rows the decoder metrics were measured on ("" when none were)
+    text: str = ""
 
     @property
     def ok(self) -> bool:
@@ -259,7 +330,8 @@ class ModelComparison:
 
     def as_dict(self) -> dict:
         return {"ok": self.ok, "failures": self.failures, "budget": str(self.budget),
-                "feeds": feeds_mod.describe(self.feeds), **self.comparison.as_dict()}
+                "feeds": feeds_mod.describe(self.feeds), **({"text": self.text} if self.text else {}),
+                **self.comparison.as_dict()}
 
 
 def compare_models(
@@ -274,6 +346,8 @@ def compare_models(
     provider: str = "cpu",
     shapes: Mapping[str, Sequence[int]] | None = None,
     values: Mapping[str, np.ndarray] | None = None,
+    text: str | Path | None = None,
+    tokenizer: str | Path | None = None,
 ) -> ModelComparison:
     """Run ``reference`` and ``candidate`` (models or paths) on the same feeds and compare their
     outputs mask-aware (``graphopt verify A B``).
@@ -282,6 +356,10 @@ def compare_models(
     else ``feeds``, else generated to make the reference run (``shapes`` / ``values`` fix inputs). With a non-empty ``budget`` the budget decides;
     otherwise every element must be within ``atol + rtol*|ref|``. Outputs of the reference that the
     candidate lacks are failures. Raises GraphoptError for unreadable models, bad feeds or budgets.
+
+    Decoder metrics in the budget (``ppl_ratio``, ``greedy_match``) are measured on the held-back windows of
+    ``text`` (a file; None: the default held-out text), tokenized by ``tokenizer`` or the tokenizer beside
+    ``reference`` (``graphopt.generate.quality``): the same rows ``optimize`` confirms a budget on.
     """
     if not isinstance(budget, Budget):
         budget = parse_budget(budget)
@@ -296,6 +374,13 @@ def compare_models(
     names_a = list(out_a[0]) if out_a else []
     shared = [n for n in names_a if n in out_b[0]]
     cmp = compare(out_b, out_a, feeds, atol=atol, rtol=rtol, outputs=shared)
+    text_rows = ""
+    if budget.decoder:
+        ref_path = reference if not isinstance(reference, ir.Model) else None
+        check = quality.decoder_check(runtime.make_session(a, threads=1), model_path=ref_path, text=text,
+                                      tokenizer=tokenizer)
+        cmp.decoder.update(check.measure(runtime.make_session(b, threads=1), quality.HELD))
+        text_rows = check.rows.describe()
     if budget:
         failures = budget.failures(cmp)
     else:
@@ -303,4 +388,4 @@ def compare_models(
     missing = [n for n in names_a if n not in shared]
     if missing:
         failures.append("outputs missing from B: " + ", ".join(missing))
-    return ModelComparison(cmp, feeds, budget, failures)
+    return ModelComparison(cmp, feeds, budget, failures, text_rows)

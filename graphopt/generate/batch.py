@@ -10,6 +10,11 @@ The graphs graphopt exports take no ``position_ids``: the model derives them fro
 for every row, so a left-padded row would run at positions shifted by its padding. That changes a model with
 absolute position embeddings (GPT-2's learned table) outright and a rotary one (Llama) by rounding, so for
 such graphs ``groups`` splits the batch into rows of equal length, each group one batched run without padding.
+
+A graph with ``GroupQueryAttention`` (``DecoderSignature.shared_buffer``) takes every row's positions from its
+own mask (row ``b``'s tokens sit at ``0 .. sum(mask[b]) - 1``), but only for masks that are a prefix of ones:
+its rows are right-padded (``right=True``), run as one batch whatever their lengths, each row's next-token
+logits read at its own last prompt position, and each decode step appends one real position to every row.
 """
 
 from __future__ import annotations
@@ -51,16 +56,23 @@ class Batch:
     def width(self) -> int:
         return int(self.lengths.max())
 
-    def input_ids(self) -> np.ndarray:
-        """[batch, width] left-padded with ``pad_id``."""
+    def input_ids(self, right: bool = False) -> np.ndarray:
+        """[batch, width] left-padded with ``pad_id`` (``right``: right-padded)."""
         out = np.full((self.size, self.width), self.pad_id, np.int64)
         for i, r in enumerate(self.rows):
-            out[i, self.width - len(r):] = r
+            if right:
+                out[i, :len(r)] = r
+            else:
+                out[i, self.width - len(r):] = r
         return out
 
-    def attention_mask(self) -> np.ndarray:
-        """[batch, width]: 0 on the padding, 1 on the prompt."""
-        return (np.arange(self.width)[None, :] >= (self.width - self.lengths)[:, None]).astype(np.int64)
+    def attention_mask(self, right: bool = False, extra: int = 0) -> np.ndarray:
+        """[batch, width + extra]: 0 on the padding, 1 on the prompt (``right``: a prefix of ones per row, with
+        ``extra`` positions appended to every row after its prompt)."""
+        cols = np.arange(self.width + extra)[None, :]
+        if right:
+            return (cols < (self.lengths + extra)[:, None]).astype(np.int64)
+        return (cols >= (self.width - self.lengths)[:, None]).astype(np.int64)
 
     def position_ids(self) -> np.ndarray:
         """[batch, width]: each row counts from 0 at its first real token (padding: 0)."""

@@ -10,11 +10,17 @@ transformers loads inside the functions.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from graphopt.errors import UsageError, first_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+#: what a decoder's text settings come in: the tokenizer, its chat template, generation and model configs
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json", "config.json")
 #: ``model_max_length`` above this is transformers' "no limit" sentinel, not a length
 _NO_LIMIT = 10**9
 
@@ -30,6 +36,26 @@ def tokenizer_folder(model: str | Path, tokenizer: str | Path | None = None) -> 
         raise UsageError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}) in the folder {where}",
                          hint="pass --tokenizer DIR (the Hugging Face folder the model was exported from)")
     return folder
+
+
+def copy_companions(src_folder: str | Path, dst_folder: str | Path) -> list[str]:
+    """Copy ``COMPANION_FILES`` of ``src_folder`` that ``dst_folder`` lacks (an existing file is never
+    replaced), each through a temporary name and a rename; the names copied. Nothing when the folders are the
+    same or ``src_folder`` holds no tokenizer."""
+    src, dst = Path(src_folder), Path(dst_folder)
+    if not dst.is_dir() or src.resolve() == dst.resolve() or not any((src / f).is_file() for f in TOKENIZER_FILES):
+        return []
+    copied = []
+    for name in COMPANION_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            tmp = dst / f".{name}.{os.getpid()}.tmp"
+            try:
+                shutil.copy2(src / name, tmp)
+                os.replace(tmp, dst / name)
+            finally:
+                tmp.unlink(missing_ok=True)
+            copied.append(name)
+    return copied
 
 
 def load_tokenizer(folder: str | Path):

@@ -61,11 +61,16 @@ class Decoder:
         self.session = session
         self.sig = sig or read_signature(session, name=name)
         self._binding = session.io_binding()
+        #: more outputs ``step`` fetches (a speculative draft's, e.g. ``medusa_logits``), by name into ``extras``
+        self.extra_outputs: tuple[str, ...] = ()
+        self.extras: dict[str, np.ndarray] = {}
 
     def step(self, cache: KVCache, input_ids: np.ndarray, attention_mask: np.ndarray,
-             position_ids: np.ndarray | None, *, all_positions: bool = False) -> np.ndarray:
-        """[batch, vocab] logits of the last position (``all_positions``: [batch, sequence, vocab], to check
-        several drafted tokens in one step); the cache grows by ``input_ids``' length."""
+             position_ids: np.ndarray | None, *, all_positions: bool = False,
+             rows_last: np.ndarray | None = None) -> np.ndarray:
+        """[batch, vocab] logits of the last position (``rows_last``: of position ``rows_last[b]`` in row ``b``,
+        for right-padded rows; ``all_positions``: [batch, sequence, vocab], to check several drafted tokens in
+        one step); the cache grows by ``input_ids``' length."""
         if all_positions and not self.sig.logits_all_positions:
             raise UsageError("the graph returns the last position's logits only; all positions were asked for")
         b = self._binding
@@ -76,10 +81,16 @@ class Decoder:
         if self.sig.has_position_ids:
             b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
         b.bind_output("logits")
+        for name in self.extra_outputs:
+            b.bind_output(name)
         cache.bind(b, input_ids.shape[1])
         self.session.run_with_iobinding(b)
-        logits = b.get_outputs()[0].numpy()
+        got = b.get_outputs()
+        logits = got[0].numpy()
+        self.extras = {name: got[1 + i].numpy() for i, name in enumerate(self.extra_outputs)}
         cache.advance(input_ids.shape[1])
+        if rows_last is not None and logits.ndim == 3:
+            return logits[np.arange(logits.shape[0]), rows_last]
         return logits if all_positions else last_logits(logits)
 
 
@@ -94,6 +105,33 @@ def open_decoder(session_or_path, *, threads: int | None = None) -> Decoder:
             raise MissingFileError(f"{path}: no such file" if not path.exists() else f"{path}: is a folder, not an ONNX file")
         return Decoder(make_session(path, threads=threads), name=str(path))
     return Decoder(session_or_path)
+
+
+def check_prompt(dec: Decoder, rows: Sequence[Sequence[int]], width: int, max_new_tokens: int,
+                 max_length: int | None) -> int:
+    """The checks every generation makes of its prompt rows (``width``: the longest); returns ``max_new_tokens``
+    cut to what fits. ``max_length``: prompt and new tokens together stay within it, as in transformers; the
+    graph's ``max_positions``: the last new token is never fed back, so one more fits. UsageError (one line)
+    for no new tokens, an empty prompt, a prompt that fills a limit, a token id outside the vocabulary."""
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if width < 1:
+        raise UsageError("the prompt is empty")
+    if max_length is not None:
+        if width >= max_length:
+            raise UsageError(f"the prompt is {width} tokens; the model takes at most {max_length} in all "
+                             "(prompt and new tokens)", hint="shorten the prompt")
+        max_new_tokens = min(max_new_tokens, max_length - width)
+    if dec.sig.max_positions is not None:
+        if width >= dec.sig.max_positions:
+            raise UsageError(f"the prompt is {width} tokens; the graph takes at most {dec.sig.max_positions} "
+                             "positions", hint="shorten the prompt")
+        max_new_tokens = min(max_new_tokens, dec.sig.max_positions - width + 1)
+    if dec.sig.vocab is not None:
+        bad = [t for r in rows for t in r if not 0 <= t < dec.sig.vocab]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the model's vocabulary of {dec.sig.vocab}")
+    return max_new_tokens
 
 
 @dataclasses.dataclass
@@ -121,43 +159,37 @@ def generate(
     maximum positions: prompt and new tokens together stay within it, as in transformers (a prompt that fills
     it is a UsageError). ``pad_id`` pads batches.
     """
-    if max_new_tokens < 1:
-        raise UsageError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     single = not isinstance(prompt, Batch) and (len(prompt) == 0 or np.ndim(prompt[0]) == 0)
     batch = prompt if isinstance(prompt, Batch) else Batch.of([prompt] if single else prompt, pad_id)
-    if max_length is not None:
-        if batch.width >= max_length:
-            raise UsageError(f"the prompt is {batch.width} tokens; the model takes at most {max_length} in all "
-                             "(prompt and new tokens)", hint="shorten the prompt")
-        max_new_tokens = min(max_new_tokens, max_length - batch.width)  # as transformers: all tokens <= max_length
     dec = open_decoder(session_or_path, threads=threads)
-    if dec.sig.vocab is not None:
-        bad = [t for r in batch.rows for t in r if not 0 <= t < dec.sig.vocab]
-        if bad:
-            raise UsageError(f"token id {bad[0]} is outside the model's vocabulary of {dec.sig.vocab}")
+    max_new_tokens = check_prompt(dec, batch.rows, batch.width, max_new_tokens, max_length)
     sampler = Sampler(sampling)
     stops = frozenset(int(t) for t in stop_ids)
     rows: list[list[int]] = [[] for _ in batch.rows]
     finish = ["length"] * batch.size
     clock = _Clock()
-    for group in batch.groups(dec.sig.has_position_ids):
+    # GroupQueryAttention graphs: one right-padded batch, rows of any length (batch.py)
+    right = dec.sig.shared_buffer and dec.sig.logits_all_positions
+    for group in batch.groups(dec.sig.has_position_ids or right):
         _run_group(dec, batch.select(group), group, max_new_tokens, sampler, stops, on_token,
-                   rows, finish, clock)
+                   rows, finish, clock, right=right)
     rate = clock.decode_tokens / clock.decode_s if clock.decode_tokens and clock.decode_s > 0 else None
     return Generation([list(r) for r in batch.rows], rows, finish, clock.prefill_s * 1e3, rate, batched=not single)
 
 
 def _run_group(dec: Decoder, batch: Batch, index: list[int], max_new: int,
                sampler: Sampler, stops: frozenset[int], on_token: OnToken | None,
-               rows: list[list[int]], finish: list[str], clock: _Clock) -> None:
-    """Prefill and decode one group of rows (``index``: their places in the caller's batch)."""
-    capacity = batch.width + max_new - 1  # the last new token is never fed back
+               rows: list[list[int]], finish: list[str], clock: _Clock, right: bool = False) -> None:
+    """Prefill and decode one group of rows (``index``: their places in the caller's batch; ``right``:
+    right-padded rows, each read at its own last position)."""
+    capacity = max(batch.width + max_new - 1, 1)  # the last new token is never fed back
     cache = KVCache(dec.sig, batch.size, capacity)
-    mask = batch.attention_mask()
+    mask = batch.attention_mask(right)
     positions = batch.position_ids()
+    last = batch.lengths - 1 if right else None
     done = np.zeros(batch.size, bool)
     t0 = time.perf_counter()
-    tokens = sampler(dec.step(cache, batch.input_ids(), mask, positions))
+    tokens = sampler(dec.step(cache, batch.input_ids(right), mask, positions, rows_last=last))
     t_first = t_last = time.perf_counter()
     clock.prefill_s += t_first - t0
     made = 0
@@ -178,7 +210,8 @@ def _run_group(dec: Decoder, batch: Batch, index: list[int], max_new: int,
         if done.all() or step >= max_new:
             break
         feed = np.where(done, batch.pad_id, tokens)[:, None]
-        mask = np.concatenate([mask, np.ones((batch.size, 1), np.int64)], axis=1)
+        mask = (batch.attention_mask(True, step) if right
+                else np.concatenate([mask, np.ones((batch.size, 1), np.int64)], axis=1))
         positions = positions[:, -1:] + 1
         tokens = sampler(dec.step(cache, feed, mask, positions))
         t_last = time.perf_counter()

@@ -73,6 +73,13 @@ class Sampler:
         return np.array([self._draw(row) for row in x], np.int64)
 
     def _draw(self, x: np.ndarray) -> int:
+        ids, p = self.distribution(x)
+        return int(ids[self.rng.choice(len(p), p=p)])
+
+    def distribution(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The token ids that can be drawn from one row of masked logits, best first, and their probabilities
+        (temperature, top-k, top-p applied): what ``_draw`` draws from (speculative decoding's rejection
+        sampling reads it too)."""
         s = self.sampling
         order = np.argsort(-x, kind="stable")  # best first; ties: the lower id first
         z = x[order] / s.temperature
@@ -86,4 +93,4 @@ class Sampler:
             # the smallest prefix whose probability reaches top_p (at least one token)
             keep = int(np.searchsorted(np.cumsum(p), s.top_p, side="left")) + 1
             p = p[:keep] / p[:keep].sum()
-        return int(order[self.rng.choice(len(p), p=p)])
+        return order[:len(p)], p

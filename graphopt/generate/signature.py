@@ -11,6 +11,11 @@ The contract (``exporters/tasks.py``, task ``causal-lm-with-past``)::
 
 Anything else (no past, a past without its present, unknown inputs, dynamic kv_heads or head_dim, mixed cache
 dtypes) is refused with one line naming what is wrong.
+
+A graph whose attention is ``GroupQueryAttention`` (pass ``group-query-attention``) says so in its metadata
+(``graphopt.kv_cache = shared-buffer``, ``graphopt.max_positions``): it takes one buffer
+``[batch, kv_heads, max_length, head_dim]`` bound as both past and present, right-padded rows, and at most
+``max_positions`` positions (its rotary caches).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import re
 import numpy as np
 
 from graphopt.errors import UsageError
+from graphopt.generate import quant_cache
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
@@ -41,6 +47,11 @@ class DecoderSignature:
     has_position_ids: bool
     logits_all_positions: bool  # False: the graph returns only the last position's logits
     vocab: int | None  # None when the logits' last axis is dynamic
+    #: past and present share one buffer per cache tensor; rows are right-padded (GroupQueryAttention)
+    shared_buffer: bool = False
+    max_positions: int | None = None  # the most positions the graph supports, when it says
+    #: the cache is held quantized at this many bits (``quant_cache``); ``head_dim`` is then the stored width
+    kv_bits: int | None = None
 
     @property
     def cache_names(self) -> list[tuple[str, str]]:
@@ -52,13 +63,20 @@ def _dims(arg) -> list:
     return list(arg.shape) if arg.shape is not None else []
 
 
-def read_signature(session_or_io, outputs=None, *, name: str = "model") -> DecoderSignature:
-    """The DecoderSignature of ``session_or_io`` (an ORT session, or its ``get_inputs()`` with ``outputs``);
-    UsageError in one line when the graph is not a decoder with past."""
+#: model metadata written by the group-query-attention pass
+KV_CACHE_KEY, MAX_POSITIONS_KEY = "graphopt.kv_cache", "graphopt.max_positions"
+
+
+def read_signature(session_or_io, outputs=None, *, name: str = "model",
+                   metadata: dict[str, str] | None = None) -> DecoderSignature:
+    """The DecoderSignature of ``session_or_io`` (an ORT session, or its ``get_inputs()`` with ``outputs``
+    and the model's ``metadata``); UsageError in one line when the graph is not a decoder with past."""
     if outputs is None:
         inputs, outputs = session_or_io.get_inputs(), session_or_io.get_outputs()
+        metadata = dict(session_or_io.get_modelmeta().custom_metadata_map)
     else:
         inputs = session_or_io
+    metadata = metadata or {}
     ins = {a.name: a for a in inputs}
     outs = {a.name: a for a in outputs}
 
@@ -98,9 +116,13 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model") -> Decod
     if not (isinstance(kv_heads, int) and isinstance(head_dim, int)):
         raise refuse(f"kv_heads and head_dim must be static (got {kv_heads}, {head_dim})")
     types = {ins[n].type for n in past.values()}
-    if len(types) != 1 or next(iter(types)) not in _DTYPES or _DTYPES[next(iter(types))] is None:
+    try:  # a cache held quantized (pass quantize-kv-cache) says so in the metadata
+        quant = quant_cache.cache_format(metadata, next(iter(types))) if len(types) == 1 else None
+    except ValueError as e:
+        raise refuse(str(e)) from None
+    if quant is None and (len(types) != 1 or next(iter(types)) not in _DTYPES or _DTYPES[next(iter(types))] is None):
         raise refuse(f"cache dtype {', '.join(sorted(types))} is not float, float16 or double alike")
-    dtype = np.dtype(_DTYPES[next(iter(types))])
+    dtype = quant[1] if quant else np.dtype(_DTYPES[next(iter(types))])
     for n in ("input_ids", "attention_mask", "position_ids"):
         if n in ins and ins[n].type != "tensor(int64)":
             raise refuse(f"'{n}' is {ins[n].type}, not tensor(int64)")
@@ -110,8 +132,11 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model") -> Decod
     # [batch, sequence, vocab] with a symbolic sequence: all positions; [batch, vocab] or [batch, 1, vocab]: last only
     all_positions = len(logits) == 3 and logits[1] != 1
     vocab = logits[-1] if isinstance(logits[-1], int) else None
+    shared = metadata.get(KV_CACHE_KEY) == "shared-buffer"
+    limit = metadata.get(MAX_POSITIONS_KEY, "")
     return DecoderSignature(layers, tuple(pairs_in), tuple(pairs_out), kv_heads, head_dim, dtype,
-                            "position_ids" in ins, all_positions, vocab)
+                            "position_ids" in ins, all_positions, vocab, shared_buffer=shared,
+                            max_positions=int(limit) if limit.isdigit() else None, kv_bits=quant and quant[0])
 
 
 def last_logits(logits: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from graphopt.errors import MissingFileError
 from graphopt.generate import chat as tokens
 from graphopt.generate.loop import Generation, generate, open_decoder
 from graphopt.generate.sampling import GREEDY, Sampling
+from graphopt.generate.speculative import speculative_generate
 
 
 @dataclasses.dataclass
@@ -27,8 +28,11 @@ class TextGeneration:
 
     def as_dict(self) -> dict:
         g = self.generation
-        return {"prompt_ids": g.prompt_ids[0], "token_ids": g.token_ids, "text": self.text,
-                "prefill_ms": g.prefill_ms, "decode_tokens_per_s": g.decode_tokens_per_s}
+        d = {"prompt_ids": g.prompt_ids[0], "token_ids": g.token_ids, "text": self.text,
+             "prefill_ms": g.prefill_ms, "decode_tokens_per_s": g.decode_tokens_per_s}
+        extra = g.as_dict()  # a speculative run adds its draft's figures (accepted_per_step, ...)
+        d.update({k: v for k, v in extra.items() if k not in d and k not in ("finish",)})
+        return d
 
 
 class _Deltas:
@@ -60,10 +64,14 @@ def generate_text(
     tokenizer: str | Path | None = None,
     threads: int | None = None,
     on_text: Callable[[str], None] | None = None,
+    speculative: str = "off",
+    draft: str | Path | None = None,
 ) -> TextGeneration:
     """Generate from ``prompt`` with the decoder ``model`` (.onnx); the tokenizer is beside it or in
     ``tokenizer``. ``ignore_eos`` masks the stop ids instead of stopping at them. UsageError (one line) for a
-    missing model or tokenizer, a graph that is not a decoder with past, a prompt over the model's maximum."""
+    missing model or tokenizer, a graph that is not a decoder with past, a prompt over the model's maximum.
+    ``speculative``: a draft mode of ``speculative.MODES`` (``off``: plain decoding); ``draft``: a draft decoder
+    file (speculative decoding with it, whatever ``speculative`` says)."""
     model = Path(model)
     if not model.is_file():
         raise MissingFileError(f"{model}: no such file" if not model.exists() else f"{model}: is a folder, not an ONNX file")
@@ -76,8 +84,18 @@ def generate_text(
         sampling, stops = sampling.masking(stops), []
     decoder = open_decoder(model, threads=threads)
     deltas = _Deltas(tok, on_text) if on_text is not None else None
-    result = generate(decoder, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
-                      on_token=deltas, max_length=tokens.max_positions(tok, *folders), pad_id=tokens.pad_id(tok))
+    limit = tokens.max_positions(tok, *folders)
+    if draft is not None:
+        draft = Path(draft)
+        if not draft.is_file():
+            raise MissingFileError(f"{draft}: no such file" if not draft.exists() else f"{draft}: is a folder, not an ONNX file")
+    if speculative != "off" or draft is not None:
+        result = speculative_generate(decoder, prompt_ids, max_new_tokens=max_new_tokens, draft=speculative,
+                                      draft_model=draft,
+                                      sampling=sampling, stop_ids=stops, on_token=deltas, max_length=limit)
+    else:
+        result = generate(decoder, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
+                          on_token=deltas, max_length=limit, pad_id=tokens.pad_id(tok))
     text = tok.decode(result.token_ids, skip_special_tokens=True)
     if deltas is not None:
         deltas.show(text, final=True)

@@ -195,3 +195,9 @@ def requirements(model: ir.Model) -> Requirements:
     decided = sorted(k for k, v in needs.items() if version_key(v) == version_key(top))
     return Requirements(min_version=top, providers=sorted(providers), decided_by=decided,
                         contrib_ops=sorted(set(contrib)), opset=opset, unknown=unknown)
+
+
+def model_path(session) -> str | None:
+    """The ONNX file an ``InferenceSession`` was made from (None: made from bytes)."""
+    path = getattr(session, "_model_path", None)
+    return str(path) if path else None

@@ -261,7 +261,8 @@ def low_precision_stand_ins(model: ir.Model) -> list[str]:
                 new.dtype = ir.DataType.FLOAT
                 outs.append(tape.op("Cast", [new], {"to": old.dtype}))
             else:
-                new.dtype = old.dtype
+                if old.dtype is not None:  # an unused output of unknown type (a mask_index) stays untyped
+                    new.dtype = old.dtype
                 outs.append(new)
         names = [o.name for o in node.outputs]
         ir.convenience.replace_nodes_and_values(graph, node, [node], list(tape.nodes), list(node.outputs), outs)

@@ -213,11 +213,3 @@ def replace_const(node: ir.Node, index: int, array: np.ndarray, name: str) -> ir
         graph.initializers.pop(old.name)
     return new
 
-
-def unique_name(graph: ir.Graph, base: str) -> str:
-    """A value name not used in ``graph`` yet."""
-    taken = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
-    name, i = base, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    return name

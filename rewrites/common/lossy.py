@@ -31,6 +31,7 @@ import onnx_ir as ir
 from graphopt.data.feeds import calibration_feeds
 from graphopt.data.metrics import Budget, Comparison, compare
 from graphopt.engine.registry import BudgetOutcome, GraphoptPass, PassContext, PassResult
+from graphopt.errors import UsageError
 from graphopt.rewrites.common import bounds
 from graphopt.rewrites.common.budget import share
 
@@ -90,6 +91,13 @@ class BudgetSearch:
         if log:
             self.logger.info("%s: %s", self.pass_name, msg)
         self.notes.append(msg)
+
+    def require_decoder_terms(self, example: str) -> None:
+        """UsageError unless the budget has terms and all are decoder metrics (``ppl_ratio``, ``greedy_match``)."""
+        other = [str(t) for t in self.budget.terms if not t.decoder]
+        if other or not self.budget:
+            raise UsageError(f"{self.pass_name} measures decoder metrics only; budget {self.budget} has "
+                             f"{', '.join(other) or 'none'}", hint=f"e.g. --budget '{example}'")
 
     def note_default(self, *, log: bool = True) -> None:
         """Say that the pass runs under its default budget because the caller gave none (a direct call)."""

@@ -35,8 +35,12 @@ reaches the budget's ``top1``; candidates are tested strictest first up to the f
 fixed-sequence test) and the cheapest certified one is taken. Before any of that the pass computes how
 many error-free confirm rows the budget needs (``top1>=0.99`` at 0.95: 299) and refuses, naming that
 number, the confirm rows it has and the best ``top1`` they can certify, when there are too few. Criteria: ``maxprob`` (max softmax probability >=
-t), ``entropy`` (1 - entropy/log(classes) >= t, DeeBERT) and ``patience`` (the last ``t`` exits agree
+t; the graph and the calibration compare its log-odds, ``s_max - logsumexp(s_j, j != argmax)`` of the
+tempered logits ``s``, which never round to 1.0, so very confident rows still rank), ``entropy`` (1 - entropy/log(classes) >= t, DeeBERT) and ``patience`` (the last ``t`` exits agree
 on the class, PABEE).
+
+The weights that only a branch's layers read become that branch's initializers (ONNX Runtime prepacks
+a kernel's own graph's constants only; read from the outer scope, nested layers ran about 2x slower).
 
 ``mode=batch``: a batch exits when every row is confident. ``mode=row``: confident rows leave; the
 others are ``Compress``-ed out of every batch-indexed value the rest of the graph reads, run deeper,
@@ -217,7 +221,8 @@ class _Run:
                     f"top1>={target:g} needs >= {need} confirm rows at {self.p.confidence:g} confidence; the "
                     f"calibration data gives {len(confirm)} confirm rows ({rows} rows, 2/5 of them to "
                     f"confirm), which can certify at most top1>={best:.4f} (about {math.ceil(need * 5 / 2)} "
-                    "calibration rows needed, or a lower top1 budget / confidence)", budget_met=False)
+                    "calibration rows needed, or a lower top1 budget / confidence)" + self._held_hint(need),
+                    budget_met=False)
         feats = [pool_features(h, masks, self.pool) for h in hs]
         labels = final.argmax(-1)
         exits, table = [], []
@@ -230,7 +235,7 @@ class _Run:
         scores = np.stack([confidence(h.logits(x), h.temperature, self.p.criterion) for (_, h), x in zip(exits, feats)])
         layer_of = np.array([k for k, _ in exits] + [n_layers])
         if self.p.threshold >= 0:
-            threshold = self.p.threshold
+            threshold = thresholds.score_threshold(self.p.threshold, self.p.criterion)
         else:
             threshold = calibrate(preds, scores, labels, layer_of, target, tune, confirm, n_layers,
                                   criterion=self.p.criterion, confidence=self.p.confidence, note=self.notes.append)
@@ -256,16 +261,32 @@ class _Run:
             keep = list(range(len(exits)))
         chosen = [Exit(exits[j][0], layers[exits[j][0] - 1], exits[j][1]) for j in keep]
         if not chosen:
-            return self.refuse(f"threshold {threshold:g} makes no row exit early on calibration", budget_met=None)
+            return self.refuse(f"threshold {self._shown(threshold)} makes no row exit early on calibration",
+                               budget_met=None)
         why = Builder(self.p, self.model, batch_dim, n_layers, threshold, self.pool).build(chosen)
         if why:
             return self.refuse(why)
-        self.notes.append(f"{self.p.criterion} threshold {threshold:g}, mode {self.p.mode}, exits after layers "
+        self.notes.append(f"{self.p.criterion} threshold {self._shown(threshold)}, mode {self.p.mode}, exits after layers "
                           + ", ".join(str(e.layer) for e in chosen))
         counts = {"exit": len(chosen), "If": len(chosen)}
         return self.s.result(self.model, True, met=True, held=measured, rule_counts=counts)
 
     # -- helpers
+
+    def _held_hint(self, need: float) -> str:
+        """Where the rows came from: optimize --calib hands a pass the first half of the feeds."""
+        if not self.ctx.feeds or self.ctx.feeds is self.ctx.calib_feeds:
+            return ""
+        held = sum(int(np.asarray(next(iter(f.values()))).shape[0]) for f in self.ctx.feeds if f)
+        return (f"; optimize --calib calibrates on the first half of the feeds (the other {held} rows check the "
+                f"budget): a folder of about {math.ceil(need * 5)} rows")
+
+    def _shown(self, threshold: float) -> str:
+        if self.p.criterion != "maxprob":
+            return f"{threshold:g}"
+        p = thresholds.probability(threshold, "maxprob")
+        shown = f"{p:.6g}" if p < 0.999 else f"1 - {math.exp(-threshold):.3g}" if math.isfinite(threshold) else "1"
+        return f"{threshold:g} (log-odds; max probability {shown})"
 
     def _batch_dim(self):
         dims = [v.shape[0] for v in self.model.graph.inputs if v.shape is not None and len(v.shape) >= 1]

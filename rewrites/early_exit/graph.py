@@ -35,6 +35,58 @@ def mask_input(model: ir.Model) -> ir.Value | None:
     return None
 
 
+def localize_initializers(main: ir.Graph) -> int:
+    """Move each initializer of ``main`` that only nodes of one branch (and the branches nested in it) read
+    into that branch's initializers; the number moved.
+
+    ONNX Runtime prepacks constant weights (MLAS's packed GEMM operands, the fused ``Attention``'s) only
+    for a kernel's own graph's initializers: a layer moved into an ``If`` branch that reads its weights
+    from the outer scope runs them unpacked, and two levels deep the layers took about twice as long at
+    batch 1 (MiniLM, 5 nested exits that every row passes through: 13.1 ms against 6.7 ms)."""
+    parent: dict[int, ir.Graph | None] = {id(main): None}
+    graphs = {id(main): main}
+    uses: dict[int, set[int]] = {}
+    inits = {id(v): v for v in main.initializers.values()}
+    keep = {id(v) for v in [*main.outputs, *main.inputs]}
+
+    def walk(g: ir.Graph) -> None:
+        for n in g:
+            for v in n.inputs:
+                if v is not None and id(v) in inits:
+                    uses.setdefault(id(v), set()).add(id(g))
+            for attr in n.attributes.values():
+                subs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+                    list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+                for sub in subs:
+                    parent[id(sub)], graphs[id(sub)] = g, sub
+                    walk(sub)
+
+    walk(main)
+
+    def chain(gid: int) -> list[int]:
+        out = [gid]
+        while parent[out[-1]] is not None:
+            out.append(id(parent[out[-1]]))
+        return out[::-1]  # main first
+
+    moved = 0
+    for vid, where in uses.items():
+        if vid in keep:
+            continue
+        paths = [chain(g) for g in where]
+        common = 0
+        while all(len(p) > common and p[common] == paths[0][common] for p in paths):
+            common += 1
+        home = graphs[paths[0][common - 1]]
+        if home is main:
+            continue
+        v = inits[vid]
+        main.initializers.pop(v.name)
+        home.register_initializer(v)
+        moved += 1
+    return moved
+
+
 class Builder:
     """Nested If construction for one ``call``."""
 
@@ -93,6 +145,7 @@ class Builder:
                     v.name = n
         for v in self.inits:
             g.register_initializer(v)
+        localize_initializers(g)
         common_passes.NameFixPass()(self.model)  # names for the values the tapes left unnamed
         return ""
 
@@ -196,11 +249,18 @@ class Builder:
                     conf = tape.op("Equal", [pred, pred])
         else:
             inv_t = self._const(tape, np.array(1.0 / ex.head.temperature, np.float32), f"{pre}/inv_temperature")
-            prob = tape.op("Softmax", [tape.op("Mul", [logits, inv_t])], {"axis": -1})
+            tempered = tape.op("Mul", [logits, inv_t])
             axl = self._const(tape, np.array([-1], np.int64), f"{pre}/crit_axis")
-            if crit == "maxprob":
-                score = tape.op("ReduceMax", [prob, axl], {"keepdims": 0})
+            if crit == "maxprob":  # log-odds of the max probability: s_max - logsumexp(s_j, j != argmax)
+                n_cls = ex.head.layers[-1][0].shape[1]
+                classes = self._const(tape, np.arange(n_cls, dtype=np.int64), f"{pre}/classes")
+                top = tape.op("Equal", [tape.op("Unsqueeze", [pred, axl]), classes])
+                d = tape.op("Sub", [tempered, tape.op("ReduceMax", [tempered, axl], {"keepdims": 1})])
+                low = self._const(tape, np.array(-1e30, np.float32), f"{pre}/masked")
+                others = tape.op("ReduceLogSumExp", [tape.op("Where", [top, low, d]), axl], {"keepdims": 0})
+                score = tape.op("Neg", [others])
             else:
+                prob = tape.op("Softmax", [tempered], {"axis": -1})
                 eps = self._const(tape, np.array(1e-12, np.float32), f"{pre}/eps")
                 plogp = tape.op("Mul", [prob, tape.op("Log", [tape.op("Add", [prob, eps])])])
                 n_cls = ex.head.layers[-1][0].shape[1]

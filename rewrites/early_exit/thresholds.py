@@ -21,12 +21,41 @@ from graphopt.rewrites.early_exit.heads import softmax
 
 
 def confidence(logits: np.ndarray, temperature: float, criterion: str) -> np.ndarray:
-    """Per-row confidence score (higher: more confident) as the graph computes it."""
-    p = softmax(logits.astype(np.float64) / temperature)
+    """Per-row confidence score (higher: more confident) as the graph computes it.
+
+    ``maxprob``: the log-odds of the max softmax probability, ``log(p / (1 - p))`` = ``s_max -
+    logsumexp(s_j, j != argmax)`` of ``s = logits / temperature``. It ranks rows as ``p`` does but never
+    saturates: a probability rounds to 1.0 (in float32 past a logit margin of about 17) and every confident
+    row would tie, so no threshold could tell the surest rows from the rest.
+    ``entropy``: ``1 - entropy / log(classes)``.
+    """
+    s = logits.astype(np.float64) / temperature
     if criterion == "entropy":
+        p = softmax(s)
         ent = -(p * np.log(p + 1e-12)).sum(-1)
         return 1.0 - ent / math.log(p.shape[-1])
-    return p.max(-1)
+    d = s - s.max(-1, keepdims=True)
+    d[np.arange(len(d)), d.argmax(-1)] = -np.inf
+    top = d.max(-1, keepdims=True)
+    return -(top[:, 0] + np.log(np.exp(d - top).sum(-1)))
+
+
+def score_threshold(threshold: float, criterion: str) -> float:
+    """A user's ``threshold`` (a probability for ``maxprob``) in the scale :func:`confidence` returns."""
+    if criterion != "maxprob":
+        return threshold
+    if threshold <= 0.0:
+        return -math.inf
+    if threshold >= 1.0:
+        return math.inf
+    return math.log(threshold / (1.0 - threshold))
+
+
+def probability(score: float, criterion: str) -> float:
+    """The max softmax probability a ``maxprob`` score stands for (other criteria: the score)."""
+    if criterion != "maxprob":
+        return score
+    return 1.0 / (1.0 + math.exp(-score)) if score > -700 else 0.0
 
 
 def simulate(preds: np.ndarray, scores: np.ndarray, final: np.ndarray, criterion: str, threshold: float,
@@ -83,7 +112,7 @@ def calibrate(preds, scores, labels, layer_of, target: float, tune, confirm, n_l
         cands = [float(t) for t in range(preds.shape[0] + 1, 0, -1)]  # E + 1: never exits
     else:
         cands = sorted(set(np.round(np.quantile(scores[:, tune], np.linspace(0, 1, 201)), 6).tolist()))
-        cands = [1.0 + 1e-6] + cands[::-1]
+        cands = [math.inf] + cands[::-1]
 
     def run(idx, t):
         ex, pr = simulate(preds[:, idx], scores[:, idx], labels[idx], criterion, t)

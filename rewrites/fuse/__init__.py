@@ -333,7 +333,8 @@ def _fuse(model: ir.Model, ctx: PassContext, opts) -> PassResult:
         if not opts.gqa and any(n.op_type == "MultiHeadAttention" for n in model.graph):
             notes.append(
                 "fuse: gqa: GroupQueryAttention not tried (option gqa=false): it replaces the attention "
-                "mask by per-row lengths, exact only for right-padded batches; MultiHeadAttention used"
+                "mask by per-row lengths, exact only for right-padded batches; MultiHeadAttention used (the "
+                "group-query-attention pass, in the decoder recipe, rewrites it for causal LMs with past)"
             )
     return PassResult(model, True, notes=notes, rule_counts=counts)
 

@@ -416,3 +416,5 @@ def quantize_model(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]], *
 
 
 register(QuantizePass)
+
+from graphopt.rewrites.quantize import decoder_int4  # noqa: E402,F401 - registers ``quantize-int4``

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.opsets import MS_DOMAIN, default_opset
+from graphopt.rewrites.common.names import Names
 from graphopt.rewrites.quantize.int4 import pack_int4, rtn_int4
 from graphopt.rewrites.quantize.numeric import WEIGHT_QMAX, act_qparams, quantize_weight, store_weight
 from graphopt.rewrites.quantize.targets import QConfig, Target, const_array, sum_bias_index
@@ -35,31 +36,13 @@ from graphopt.runtime.contrib import attention_inputs
 # ------------------------------------------------------------------ rewriting
 
 
-class _Builder:
+class _Builder(Names):
     """Creates uniquely named initializers and nodes in a graph."""
 
     def __init__(self, model: ir.Model):
+        super().__init__(model.graph)
         self.model = model
-        self.graph = model.graph
-        self.names = {v.name for v in self.graph.initializers.values()}
-        for n in self.graph:
-            self.names.update(o.name for o in n.outputs if o.name)
-        self.names.update(v.name for v in self.graph.inputs)
         self.shared_q: dict[tuple, ir.Value] = {}
-
-    def unique(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.names:
-            name, i = f"{base}_{i}", i + 1
-        self.names.add(name)
-        return name
-
-    def init(self, base: str, arr: np.ndarray) -> ir.Value:
-        name = self.unique(base)
-        t = ir.tensor(np.array(arr, order="C", copy=True), name=name)  # not ascontiguousarray: it makes 0-d 1-d
-        v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(t.dtype), const_value=t)
-        self.graph.register_initializer(v)
-        return v
 
     def node(self, before: ir.Node, op: str, inputs, attrs=None, *, domain: str = "", name: str = "",
              outputs: int = 1) -> ir.Node:
@@ -103,8 +86,8 @@ def _quantize_activation(b: _Builder, t: Target, cfg: QConfig, anchor: ir.Node) 
     s, zp = act_qparams(lo, hi, cfg.act_type)
     key = ("st", id(x), float(s), int(zp), cfg.act_type)
     if key not in b.shared_q:
-        sv = b.init(f"{x.name}_scale", np.array(s, dtype=np.float32))
-        zv = b.init(f"{x.name}_zp", zp)
+        sv = b.initializer(f"{x.name}_scale", np.array(s, dtype=np.float32))
+        zv = b.initializer(f"{x.name}_zp", zp)
         n = b.node(anchor, "QuantizeLinear", [x, sv, zv], name=f"{x.name}_q")
         b.shared_q[key] = (n.outputs[0], sv, zv)
     return b.shared_q[key]
@@ -134,8 +117,8 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             if not cfg.whole_table_dq and not _can_unfuse_embed(model, node):
                 continue
             q, s = quantize_weight(w, axis=1)
-            qv = b.init(f"{pre}_table_q", q)
-            sv = b.init(f"{pre}_table_scale", s)
+            qv = b.initializer(f"{pre}_table_q", q)
+            sv = b.initializer(f"{pre}_table_scale", s)
             if _unfuse_embed(b, node, qv, sv, pre):
                 bump("EmbedLayerNormalization(int8 gather)")
                 continue
@@ -146,8 +129,8 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             continue
         if t.kind == "gather":
             q, s = quantize_weight(w, axis=1)
-            qv = b.init(f"{pre}_table_q", q)
-            sv = b.init(f"{pre}_table_scale", s)
+            qv = b.initializer(f"{pre}_table_q", q)
+            sv = b.initializer(f"{pre}_table_scale", s)
             gnode = b.node(node, "Gather", [qv, node.inputs[1]], {"axis": 0}, name=f"{pre}_qgather")
             _replace_output(g, node.outputs[0], _dequantize_rows(b, node, gnode.outputs[0], sv, f"{pre}_dq"))
             g.remove(node, safe=True)
@@ -190,12 +173,12 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             attrs = {k: a[k].value for k in ("num_heads", "unidirectional", "do_rotary", "mask_filter_value", "scale")
                      if k in a}
             xq, xs, xz = _quantize_activation(b, t, cfg, node)
-            qv = b.init(f"{pre}_w_q", q)
-            sv = b.init(f"{pre}_w_scale", ws)
-            zv = b.init(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8) if wz is None else wz)
+            qv = b.initializer(f"{pre}_w_q", q)
+            sv = b.initializer(f"{pre}_w_scale", ws)
+            zv = b.initializer(f"{pre}_w_zp", np.zeros_like(ws, dtype=np.int8) if wz is None else wz)
             named = attention_inputs(node)
             bias_v = named.bias if named.bias is not None else \
-                b.init(f"{pre}_bias", np.zeros(w.shape[1], np.float32))  # QAttention's bias is required
+                b.initializer(f"{pre}_bias", np.zeros(w.shape[1], np.float32))  # QAttention's bias is required
             inputs = [xq, qv, bias_v, xs, sv, named.mask_index, xz, zv]
             new = b.node(node, "QAttention", inputs, attrs, domain=MS_DOMAIN, name=f"{pre}_qattn")
             _replace_output(g, node.outputs[0], new.outputs[0])
@@ -205,10 +188,10 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
             continue
         # matmul
         if cfg.mode == "dynamic":
-            qv = b.init(f"{pre}_w_q", q)
-            sv = b.init(f"{pre}_w_scale", ws)
-            bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
-            zv = b.init(f"{pre}_w_zp", wz) if wz is not None else None
+            qv = b.initializer(f"{pre}_w_q", q)
+            sv = b.initializer(f"{pre}_w_scale", ws)
+            bv = b.initializer(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
+            zv = b.initializer(f"{pre}_w_zp", wz) if wz is not None else None
             new = b.node(node, "DynamicQuantizeMatMul", [node.inputs[0], qv, sv, zv, bv], domain=MS_DOMAIN,
                          name=f"{pre}_dqmm")
             used_ms = True
@@ -216,22 +199,22 @@ def apply(model: ir.Model, targets: list[Target], plan: Mapping[str, QConfig]) -
         elif cfg.fmt == "qdq":
             xq, xs, xz = _quantize_activation(b, t, cfg, node)
             dqx = b.node(node, "DequantizeLinear", [xq, xs, xz], name=f"{pre}_dqx")
-            qv = b.init(f"{pre}_w_q", q)
-            sv = b.init(f"{pre}_w_scale", ws)
-            wq_in = [qv, sv] if wz is None else [qv, sv, b.init(f"{pre}_w_zp", wz)]
+            qv = b.initializer(f"{pre}_w_q", q)
+            sv = b.initializer(f"{pre}_w_scale", ws)
+            wq_in = [qv, sv] if wz is None else [qv, sv, b.initializer(f"{pre}_w_zp", wz)]
             dqw = b.node(node, "DequantizeLinear", wq_in, {"axis": 1}, name=f"{pre}_dqw")
             mm = b.node(node, "MatMul", [dqx.outputs[0], dqw.outputs[0]], name=f"{pre}_mm")
             new = mm
             if bias is not None:
-                bv = b.init(f"{pre}_bias", bias.astype(np.float32))
+                bv = b.initializer(f"{pre}_bias", bias.astype(np.float32))
                 new = b.node(node, "Add", [mm.outputs[0], bv], name=f"{pre}_add")
             bump("QDQ MatMul")
         else:
             xq, xs, xz = _quantize_activation(b, t, cfg, node)
-            qv = b.init(f"{pre}_w_q", q)
-            sv = b.init(f"{pre}_w_scale", ws)
-            bv = b.init(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
-            zv = b.init(f"{pre}_w_zp", wz) if wz is not None else None
+            qv = b.initializer(f"{pre}_w_q", q)
+            sv = b.initializer(f"{pre}_w_scale", ws)
+            bv = b.initializer(f"{pre}_bias", bias.astype(np.float32)) if bias is not None else None
+            zv = b.initializer(f"{pre}_w_zp", wz) if wz is not None else None
             new = b.node(node, "MatMulIntegerToFloat", [xq, qv, xs, sv, xz, zv, bv], domain=MS_DOMAIN,
                          name=f"{pre}_mmi2f")
             used_ms = True
@@ -309,7 +292,7 @@ def _unfuse_embed(b: _Builder, node: ir.Node, qv: ir.Value, sv: ir.Value, pre: s
         pos = b.node(node, "Gather", [pos_table, pos_ids], {"axis": 0}, name=f"{pre}_pos")
     else:
         seq = b.node(node, "Shape", [ids], {"start": 1, "end": 2}, name=f"{pre}_seq")
-        zero = b.init(f"{pre}_zero", np.array([0], np.int64))
+        zero = b.initializer(f"{pre}_zero", np.array([0], np.int64))
         pos = b.node(node, "Slice", [pos_table, zero, seq.outputs[0], zero], name=f"{pre}_pos")
     seg_rows = b.node(node, "Gather", [seg_table, seg], {"axis": 0}, name=f"{pre}_seg")
     add = b.node(node, "Add", [word, pos.outputs[0]], name=f"{pre}_word_pos")
@@ -328,11 +311,11 @@ def _int4_node(b: _Builder, t: Target, cfg: QConfig, w: np.ndarray, bias: np.nda
     k, n = w.shape
     q, scales = cfg.int4_q if cfg.int4_q is not None else rtn_int4(w, cfg.block_size)
     packed = pack_int4(q, cfg.block_size)
-    qv = b.init(f"{pre}_w_q4", packed)
-    sv = b.init(f"{pre}_w_scale4", np.ascontiguousarray(scales.T).reshape(-1).astype(np.float32))
+    qv = b.initializer(f"{pre}_w_q4", packed)
+    sv = b.initializer(f"{pre}_w_scale4", np.ascontiguousarray(scales.T).reshape(-1).astype(np.float32))
     inputs = [t.node.inputs[0], qv, sv, None, None]
     if bias is not None:
-        inputs.append(b.init(f"{pre}_bias", bias.astype(np.float32)))
+        inputs.append(b.initializer(f"{pre}_bias", bias.astype(np.float32)))
     attrs = {"K": int(k), "N": int(n), "bits": 4, "block_size": int(cfg.block_size),
              "accuracy_level": int(cfg.accuracy_level)}
     return b.node(t.node, "MatMulNBits", inputs, attrs, domain=MS_DOMAIN, name=f"{pre}_mmnbits")

@@ -57,6 +57,7 @@ from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, regi
 from graphopt.errors import UsageError
 from graphopt.rewrites.common import ffn as _ffn
 from graphopt.rewrites.common import lossy
+from graphopt.rewrites.common.names import unique_name
 from graphopt.rewrites.sparsify.weights import (
     EXACT_MAX_ROWS,
     block_mask,
@@ -215,13 +216,13 @@ class _Run:
             counts[pattern] = counts.get(pattern, 0) + 1
             graph = model.graph
             if pattern in ("neurons", "unstructured"):
-                _ffn.replace_const(f.mm1, 1, lay.w1, _ffn.unique_name(graph, f"{f.key}_w1_sparse"))
-                _ffn.replace_const(f.mm2, 1, lay.w2, _ffn.unique_name(graph, f"{f.key}_w2_sparse"))
+                _ffn.replace_const(f.mm1, 1, lay.w1, unique_name(graph, f"{f.key}_w1_sparse"))
+                _ffn.replace_const(f.mm2, 1, lay.w2, unique_name(graph, f"{f.key}_w2_sparse"))
                 if pattern == "neurons":
                     if f.bias is not None:
                         node = f.add1 if f.add1 is not None else f.act
                         idx = list(node.inputs).index(f.bias)
-                        _ffn.replace_const(node, idx, lay.b1, _ffn.unique_name(graph, f"{f.key}_b1_sparse"))
+                        _ffn.replace_const(node, idx, lay.b1, unique_name(graph, f"{f.key}_b1_sparse"))
                     width = lay.w1.shape[1]
                     for v in (f.mm1.outputs[0], *(f.add1.outputs if f.add1 else ()),
                               *(n.outputs[0] for n in f.act_nodes)):
@@ -243,7 +244,7 @@ class _Run:
                         b: np.ndarray, base: str) -> None:
         consts = []
         for arr, suffix in ((a, "values"), (b, "index")):
-            name = _ffn.unique_name(graph, f"{base}_{suffix}")
+            name = unique_name(graph, f"{base}_{suffix}")
             v = ir.Value(name=name, const_value=ir.tensor(arr, name=name), shape=ir.Shape(arr.shape),
                          type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
             graph.register_initializer(v)
@@ -252,7 +253,7 @@ class _Run:
         out = mm.outputs[0]
         node = ir.Node(custom_ops.DOMAIN, op, [mm.inputs[0], *consts],
                        attributes=[ir.AttrInt64(k, v) for k, v in attrs.items()],
-                       name=_ffn.unique_name(graph, f"{mm.name or base}_{op}"))
+                       name=unique_name(graph, f"{mm.name or base}_{op}"))
         node.outputs[0].shape, node.outputs[0].type = out.shape, out.type
         graph.insert_before(mm, node)
         out.replace_all_uses_with(node.outputs[0])

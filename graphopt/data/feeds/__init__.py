@@ -11,16 +11,22 @@ rows a lossy pass calibrates on and the rows held back to confirm its budget.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.data.feeds import edge
 from graphopt.data.feeds.folder import Feed, check_against, describe, load_dir, save_dir
 from graphopt.data.feeds.generated import check_overrides, generate
 from graphopt.data.feeds.probe import NoRunnableFeeds, runnable
 from graphopt.data.feeds.split import calibration_feeds, split_feeds
+from graphopt.data.outputs import OutputStore
+from graphopt.runtime import session as runtime_session
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Feed", "NoRunnableFeeds", "Selection", "calibration_feeds", "check_against", "check_overrides", "describe",
@@ -39,6 +45,10 @@ class Selection:
     outputs: Sequence[Mapping[str, np.ndarray]] | None = None
     #: why there are no feeds although some were wanted (no generated feed runs the model); else ""
     reason: str = ""
+    #: with ``edge``: the edge feeds (``graphopt.data.feeds.edge``) the model runs, their labels, its outputs on them
+    edge_feeds: list[Feed] = dataclasses.field(default_factory=list)
+    edge_labels: list[str] = dataclasses.field(default_factory=list)
+    edge_outputs: Sequence[Mapping[str, np.ndarray]] | None = None
 
 
 def select(
@@ -52,6 +62,7 @@ def select(
     generated: bool = True,
     required: bool = True,
     check_given: bool = False,
+    edge: bool = False,
     **generate_options,
 ) -> Selection:
     """The feeds to run ``model`` on: the ``calib`` folder's (checked against its inputs), else the
@@ -63,6 +74,11 @@ def select(
     session, ``graphopt.runtime.session.runner``); given or folder feeds are run only when it is
     passed. When no generated feed runs the model, NoRunnableFeeds is raised, or with
     ``required=False`` a selection without feeds comes back whose ``reason`` says why.
+
+    With ``edge`` (and generated feeds), edge feeds (``graphopt.data.feeds.edge``: zeros, tiny and huge
+    magnitudes, extreme ids, one-token masks, shortest and longest lengths) derived from the first feed
+    are run one by one; those the model runs come in ``edge_feeds``, with their labels and outputs.
+    They are for verifying lossless rewrites, never for calibrating.
     """
     check_overrides(model, shapes, values)
     if calib is not None:
@@ -81,7 +97,10 @@ def select(
             if required:
                 raise
             return Selection([], "none", reason=e.reason)
-        return Selection(chosen, "generated", outputs=outputs)
+        sel = Selection(chosen, "generated", outputs=outputs)
+        if edge and chosen:
+            _add_edge_feeds(sel, model, run or runtime_session.runner(model), shapes, values)
+        return sel
     return Selection(chosen, source, outputs=run(chosen) if run is not None else None)
 
 
@@ -93,3 +112,18 @@ def for_model(model: ir.Model, calib: str | os.PathLike | None = None, **generat
     feeds = load_dir(calib)
     check_against(model, feeds)
     return feeds
+
+
+def _add_edge_feeds(sel: Selection, model: ir.Model, run, shapes, values) -> None:
+    """Run each edge candidate on ``model``; keep those it runs, with their outputs."""
+    outs = OutputStore()
+    for label, feed in edge.candidates(model, sel.feeds[0], shapes=shapes, values=values):
+        try:
+            got = run([feed])
+        except Exception as e:  # noqa: BLE001 - an input the model refuses is no edge case of it
+            logger.info("edge feed %r does not run the model: %s", label, getattr(e, "message", None) or e)
+            continue
+        sel.edge_feeds.append(feed)
+        sel.edge_labels.append(label)
+        outs.append(got[0])
+    sel.edge_outputs = outs

@@ -117,7 +117,8 @@ def generate(
     """Feeds for every non-initializer graph input.
 
     The first ``count`` feeds have full masks; with ``padded`` and a mask input, one more feed has
-    right padding with mixed lengths (every row keeps at least one real token). ``shapes`` and
+    right padding with mixed lengths (every row keeps at least one real token). A decoder with past and
+    no ``position_ids`` gets the three steps of ``_decoder_steps`` instead (full masks, no padded feed). ``shapes`` and
     ``values`` fix an input's shape or value (``--input-shape`` / ``--input-value``); ``sizes``
     fixes symbolic dims by symbol (a dim name, or ``INPUT:AXIS`` for a ``-1``/``0``/unnamed dim).
     Integer inputs that are shapes or positions get values that fit the tensor they apply to.
@@ -133,6 +134,9 @@ def generate(
     order += [v for v in inputs if v not in order]
     feeds = []
     n_total = count + (1 if padded and any(_is_mask(v.name) for v in inputs) else 0)
+    steps = _decoder_steps(inputs, batch, seq, past)
+    if steps:
+        n_total = count = len(steps)
     for k in range(n_total):
         sz: dict[str, int] = dict(sizes or {})
         for v in inputs:  # a user's shape binds the symbols of that input for every input
@@ -142,6 +146,8 @@ def generate(
                     if key is not None and "+" not in key:
                         sz[key] = int(shapes[v.name][axis])
         defaults = {"batch": batch + (1 if k == count else 0), "seq": seq, "past": past, "other": 4}
+        if steps:
+            defaults = {**steps[k], "other": 4}
         feed: Feed = {}
         for v in order:
             if v.name in values:
@@ -158,6 +164,22 @@ def generate(
 
 
 _DEPENDENT = frozenset({"ones", "reshape", "split"})
+
+
+def _decoder_steps(inputs: Sequence[ir.Value], batch: int, seq: int, past: int) -> list[dict[str, int]]:
+    """For a decoder with past whose positions come from the past length (``past_key_values.*`` and
+    ``attention_mask`` inputs, no ``position_ids``): the steps its runtime runs, under the contract such a
+    graph may be given (``group-query-attention``: masks are prefixes of ones, each row's positions start
+    at 0, a step of several tokens after a past has one row): a prefill of ``batch`` rows, a one-token
+    decode step of ``batch`` rows after ``past``, and a ``seq``-token step of one row after ``past``, all
+    with full masks (``probe.runnable`` then gives each past the model's own presents of a prefill). Empty for
+    any other graph."""
+    names = {v.name for v in inputs}
+    if "attention_mask" not in names or "position_ids" in names or not any(
+            n.startswith("past_key_values.") for n in names):
+        return []
+    return [{"batch": batch, "seq": seq, "past": 0}, {"batch": batch, "seq": 1, "past": past},
+            {"batch": 1, "seq": seq, "past": past}]
 
 
 def _role(v: ir.Value) -> feed_hints.Role | None:

@@ -105,6 +105,39 @@ def _candidates(model: ir.Model, shapes, values, max_tries: int):
             return
 
 
+def _own_past(feeds: list[Feed], run) -> list[Feed]:
+    """A decoder's generated feeds with a past (``past_key_values.N.*`` of ``P > 0`` positions, ``present.N.*``
+    outputs) get the model's own cache as past: the presents of a ``P``-token prefill of the same rows (ids
+    taken from the feed), instead of random values no run of the model produces. Feeds without past, or
+    whose prefill does not run, stay as they are."""
+    out = []
+    for feed in feeds:
+        past = {k: v for k, v in feed.items() if k.startswith("past_key_values.") and np.ndim(v) == 4}
+        ids, mask = feed.get("input_ids"), feed.get("attention_mask")
+        if not past or ids is None or mask is None or "position_ids" in feed:
+            out.append(feed)
+            continue
+        b, p = next(iter(past.values())).shape[0], next(iter(past.values())).shape[2]
+        if p == 0:
+            out.append(feed)
+            continue
+        pre = {**feed, "input_ids": np.resize(np.asarray(ids), (b, p)).astype(ids.dtype),
+               "attention_mask": np.ones((b, p), mask.dtype)}
+        pre.update({k: v[:, :, :0] for k, v in past.items()})
+        try:
+            res = run([pre])[0]
+        except Exception as e:  # noqa: BLE001 - the random past stays
+            logger.info("decoder prefill for a past did not run: %s", first_line(e))
+            out.append(feed)
+            continue
+        own = {k: res.get(k.replace("past_key_values.", "present.")) for k in past}
+        if any(v is None or v.shape != past[k].shape for k, v in own.items()):
+            out.append(feed)
+            continue
+        out.append({**feed, **own})
+    return out
+
+
 def runnable(
     model: ir.Model,
     *,
@@ -140,6 +173,7 @@ def runnable(
             continue
         tried.append(describe(feeds[:1]).split("e.g. ", 1)[-1])
         try:
+            feeds = _own_past(feeds, run)
             outs = run(feeds)
         except Exception as e:
             msg = getattr(e, "message", None) or first_line(e)

@@ -26,7 +26,7 @@ import logging
 
 import onnx_ir as ir
 
-from graphopt.analysis.shapes import symbolic_infer
+from graphopt.analysis.shapes import proto_without_big_data, symbolic_infer
 from graphopt.errors import first_line
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def annotate_symbolic_shapes(model: ir.Model) -> str | None:
     ml = sorted({n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == "ai.onnx.ml"})
     if ml:
         return f"symbolic shape inference does not model ai.onnx.ml ops ({', '.join(ml)})"
-    proto = ir.serde.serialize_model(model)
+    proto = proto_without_big_data(model)  # the weights' shapes, not a second copy of their bytes
     del proto.graph.value_info[:]
     try:
         inferred = symbolic_infer(proto, auto_merge=True, guess_output_rank=False)

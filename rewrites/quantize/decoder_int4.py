@@ -1,0 +1,429 @@
+"""``quantize-int4``: a decoder's fp32 weight MatMuls to 4-bit ``MatMulNBits`` under a perplexity / greedy budget.
+
+::
+
+    x ──MatMul(W const float32 [K, N])──▶ y      ==>   x ──MatMulNBits(q, scales[, zero_points]; K, N, bits=4,
+                                                                 block_size, accuracy_level)──▶ y
+    ids ──Gather(E const [V, H])──▶ h            ==>   ids ──GatherBlockQuantized(q, ids, scales[, zp])──▶ h
+                                                        (``embedding``, when the budget holds)
+
+The kernel is chosen by measuring, on this CPU, in this process: every (``block_sizes`` x ``accuracy_levels``)
+candidate with the projections quantized is built, and its decode step (batch 1, 1 thread) is timed
+round-robin against the input model; candidates are then tried fastest first, and the first that meets the
+budget on the calibration text windows and then on the held-back ones (``graphopt.generate.quality``) is kept.
+The LM head (the MatMul whose N is the vocabulary) and the token embedding are then quantized one after the
+other, each kept only when the budget still holds (``head`` / ``embedding``: ``auto``; ``false`` keeps them
+float). A table the LM head shares (tied embeddings, the head reading it through a Transpose) stays float: a
+4-bit copy for the Gather would add to the file, not replace it. ``accuracy_level`` 4 computes with int8 activations (lossy beyond the 4-bit weights): on some CPUs it
+is the only level faster than fp32 (MatMulNBits at level 1 measured 0.7x fp32 on MiniLM's shapes).
+
+fp32 weights that already are 4-bit affine blocks (``w = d·q + m`` per 32 along K: the dequantized Q4_1 tensors
+of a GGUF file exported to fp32) are not re-quantized, which would lose a second time: they become
+``MatMulNBits(x, q, d, zero points 0) + ReduceSum(x per block of 32) @ m`` (exact at ``accuracy_level`` 1).
+
+A model that already holds 4-bit blocks (``MatMulNBits`` nodes, e.g. ``graphopt export`` of a GGUF file: exact
+Q4_1 blocks plus a float block-sum correction MatMul) is not re-quantized: its plain MatMuls stay float, and its
+MatMulNBits nodes go to ``accuracy_level`` 4 only when that measures faster and the budget holds.
+
+At ``accuracy_level`` 4 (chosen, or reached on a model already in blocks) two more stages follow
+(:mod:`.blocks8`), cumulative, timed round-robin against the model as it is, the fastest that is faster and
+meets the budget kept: ``fold_minimums`` turns each exact Q4_1 chain (MatMulNBits + the four-node block-sum
+correction) into one 8-bit MatMulNBits whose zero points carry the minimums (within 1/32 of a 4-bit step), and
+``head`` turns the LM head, a tied one too (``Transpose`` of the embedding table, a Q8_0 table exactly), into an
+8-bit MatMulNBits (``auto``: when faster; ``true``: also when not measured faster; ``false``: never).
+
+Budget (``--budget``; default :attr:`QuantizeInt4Pass.default_budget`): decoder metrics only (``ppl_ratio``,
+``greedy_match``), measured against the pipeline's input model on text (``ctx.decoder``; a direct call
+measures against the model as given, on the default held-out text). ``method=gptq`` quantizes with GPTQ
+(symmetric; XᵀX of each projection's input from the calibration windows), else RTN (ONNX Runtime's quantizer).
+
+Refuses (model unchanged): no decoder with past (UsageError), no constant 2-D float32 MatMul weight with
+K >= 16, no candidate meeting the budget (``budget_met=False``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from graphopt.data.metrics import Comparison
+from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
+from graphopt.errors import UsageError
+from graphopt.generate import quality
+from graphopt.generate.loop import Decoder
+from graphopt.opsets import MS_DOMAIN
+from graphopt.rewrites.common import activations, lossy
+from graphopt.rewrites.quantize import blocks8, nbits
+from graphopt.runtime import session as runtime
+
+logger = logging.getLogger(__name__)
+
+Kernel = tuple[int, int]  # (block_size, accuracy_level)
+
+
+def _ints(spec: str, what: str, allowed) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in str(spec).split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"quantize-int4.{what} must be comma-separated integers, got {spec!r}") from None
+    bad = [v for v in vals if not allowed(v)]
+    if not vals or bad:
+        raise UsageError(f"quantize-int4.{what}: {bad[0] if bad else spec!r} is not allowed")
+    return vals
+
+
+def _tri(value: str, what: str) -> str:
+    v = str(value).strip().lower()
+    v = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(v, v)
+    if v not in ("auto", "true", "false"):
+        raise UsageError(f"quantize-int4.{what} must be auto, true or false, got {value!r}")
+    return v
+
+
+def _weight(node: ir.Node, index: int) -> np.ndarray | None:
+    v = node.inputs[index] if len(node.inputs) > index else None
+    if v is None or v.const_value is None:
+        return None
+    t = v.const_value
+    if t.dtype != ir.DataType.FLOAT or len(t.shape) != 2:
+        return None
+    return t.numpy()
+
+
+class QuantizeInt4Pass(GraphoptPass):
+    """Decoder weights to 4-bit MatMulNBits (RTN or GPTQ), the kernel measured on this CPU, under a ppl budget."""
+
+    name = "quantize-int4"
+    exact = False
+    #: 5% perplexity on held-back text: what llama.cpp's 4-bit k-quants cost a 7B model (Q4_K_M ~ +2-5%);
+    #: a 135M model loses more, so the recipe declines rather than ship a worse model silently
+    default_budget = "ppl_ratio<=1.05"
+    emits = (f"{MS_DOMAIN}::MatMulNBits", f"{MS_DOMAIN}::GatherBlockQuantized")
+
+    def __init__(self, *, block_sizes: str = "32,64,128", accuracy_levels: str = "1,4", symmetric: bool = False,
+                 method: str = "rtn", head: str = "auto", embedding: str = "auto", steps: int = 16,
+                 keep_blocks: bool = True, fold_minimums: str = "auto"):
+        super().__init__()
+        self.block_sizes = _ints(block_sizes, "block_sizes", lambda b: b >= 16 and not b & (b - 1))
+        self.accuracy_levels = _ints(accuracy_levels, "accuracy_levels", lambda a: a in (0, 1, 2, 3, 4))
+        if method not in ("rtn", "gptq"):
+            raise UsageError(f"quantize-int4.method must be rtn or gptq, got {method!r}")
+        self.symmetric, self.method = bool(symmetric), method
+        self.head, self.embedding = _tri(head, "head"), _tri(embedding, "embedding")
+        self.fold_minimums = _tri(fold_minimums, "fold_minimums")
+        self.steps = int(steps)
+        #: False: re-quantize weights that already are 4-bit affine blocks too (to compare)
+        self.keep_blocks = bool(keep_blocks)
+
+    # ------------------------------------------------------------ the pass
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        s = lossy.BudgetSearch.of(self, ctx, default_note=True)
+        s.require_decoder_terms("ppl_ratio<=1.05,greedy_match>=0.5")
+        check = ctx.decoder
+        if check is None:
+            check = quality.decoder_check(self._session(model))
+            s.note("measured against the model as given (a direct call)")
+        s.note(check.rows.describe())
+        nodes = list(model.graph)
+        existing = [n for n in nodes if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN]
+        if existing:
+            return self._prequantized(model, existing, check, s)
+        vocab = self._vocab(model)
+        # targets are node positions in graph order (the same in a clone; names need not be unique)
+        body, head = [], []
+        for i, n in enumerate(nodes):
+            w = _weight(n, 1) if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") else None
+            if w is not None and w.shape[0] >= 16:
+                (head if vocab is not None and w.shape[1] == vocab else body).append(i)
+        emb = [i for i, n in enumerate(nodes) if n.op_type == "Gather" and n.domain in ("", "ai.onnx")
+               and _weight(n, 0) is not None and n.attributes.get_int("axis", 0) == 0
+               and n.inputs[1] is not None and n.inputs[1].name == "input_ids"]
+        shared = [i for i in emb if len(nodes[i].inputs[0].uses()) > 1]
+        if shared and self.embedding != "false":
+            # tied embeddings: the LM head reads the same table (through a Transpose); a 4-bit copy for the
+            # Gather would add to the file, not replace the float table
+            s.note("the embedding table is shared with another reader (tied LM head): left float")
+        emb = [i for i in emb if i not in shared]
+        if not body:
+            s.note("nothing to quantize (no constant 2-D float32 MatMul weight)")
+            return s.result(model, False)
+        # weights that already are 4-bit affine blocks (a dequantized GGUF Q4_1 export) keep them exactly
+        exact = {}
+        for i in body if self.keep_blocks else ():
+            b = nbits.exact_blocks(nodes[i].inputs[1].const_value.numpy())
+            if b is not None:
+                exact[nodes[i].inputs[1].name] = b
+        block_sizes = self.block_sizes
+        if exact:
+            block_sizes = (32,)
+            s.note(f"{len(exact)} of {len(body)} projection weights already are 4-bit affine blocks of 32 (largest "
+                   f"deviation {max(b.max_error for b in exact.values()):.2g}): kept exactly as MatMulNBits with "
+                   "zero points 0 + ReduceSum(x per block) @ minimums, not re-quantized; block size 32")
+        xtx = self._xtx(model, check, [i for i in body + head if nodes[i].inputs[1].name not in exact]) \
+            if self.method == "gptq" else {}
+        if xtx:
+            s.note(f"GPTQ: XᵀX of {len(xtx)} weights from the calibration windows (the rest RTN)")
+        blocks: dict[tuple[str, int], nbits.Blocks] = {}
+
+        def quant(name: str, w: np.ndarray, bs: int, table: bool = False) -> nbits.Blocks:
+            """The blocks of the weight initializer ``name`` (computed once per block size)."""
+            key = (name, bs)
+            if name in exact and not table:
+                return exact[name]
+            if key not in blocks:
+                if table:
+                    blocks[key] = nbits.rtn_blocks(w.T, bs, self.symmetric)
+                elif name in xtx:
+                    blocks[key] = nbits.gptq_blocks(w, xtx[name], bs)
+                else:
+                    blocks[key] = nbits.rtn_blocks(w, bs, self.symmetric)
+            return blocks[key]
+
+        def build(kernel: Kernel, names, emb_names=()) -> ir.Model:
+            cand = model.clone()
+            _rewrite(cand, kernel, set(names), set(emb_names), quant)
+            return cand
+
+        kernels = [(b, a) for b in block_sizes for a in self.accuracy_levels]
+        cands = {k: self._session(build(k, body)) for k in kernels}
+        base = self._session(model)
+        secs = nbits.step_seconds([Decoder(base)] + [Decoder(cands[k]) for k in kernels], steps=self.steps)
+        speed = dict(zip(kernels, secs[1:]))
+        s.note("decode step, 1 thread (median, round-robin): input " + f"{1e3 * secs[0]:.2f} ms; "
+               + ", ".join(f"block {b} level {a} {1e3 * t:.2f} ms ({secs[0] / t:.2f}x)" for (b, a), t in speed.items()))
+        del base
+
+        def measure(sess) -> lossy.Measured:
+            return s.evaluate(lambda part: Comparison({}, decoder=check.measure(sess, part)))
+
+        chosen, held = None, None
+        for k in sorted(kernels, key=lambda k: speed[k]):
+            m = measure(cands[k])
+            s.note(f"block {k[0]} level {k[1]}: {_text(m)}; {s.verdict(m)}")
+            if s.meets(m.held):
+                chosen, held = k, m.held
+                break
+        cands.clear()
+        if chosen is None:
+            s.note(f"budget {s.budget} cannot be met by any kernel: model left unchanged (fp32)")
+            return s.result(model, False, met=False)
+        names, emb_names = list(body), []
+        for what, opt, extra, is_emb in (("LM head", self.head, head, False), ("embedding", self.embedding, emb, True)):
+            if not extra or opt == "false":
+                continue
+            trial = (names, emb_names + extra) if is_emb else (names + extra, emb_names)
+            m = measure(self._session(build(chosen, *trial)))
+            ok = s.meets(m.held)
+            s.note(f"{what} in 4 bits: {_text(m)}; {'kept' if ok else 'left float: ' + s.verdict(m)}")
+            if ok:
+                names, emb_names, held = trial[0], trial[1], m.held
+        counts = _rewrite(model, chosen, set(names), set(emb_names), quant)
+        scheme = "GPTQ, symmetric" if xtx else f"RTN, {'symmetric' if self.symmetric else 'zero points'}"
+        if exact:
+            scheme = f"{len(exact)} exact blocks, the rest {scheme}"
+        s.note(f"chose block {chosen[0]}, accuracy_level {chosen[1]} ({scheme})")
+        if chosen[1] == 4:
+            more, held8 = self._stages(model, check, s, self._blocks8_stages(model))
+            counts.update(more)
+            held = held8 or held
+        return s.result(model, True, met=True, held=held, rule_counts=counts)
+
+    # ------------------------------------------------------------ a model already in 4-bit blocks
+
+    def _prequantized(self, model: ir.Model, existing: list[ir.Node], check, s: lossy.BudgetSearch) -> PassResult:
+        levels = sorted({n.attributes.get_int("accuracy_level", 0) for n in existing})
+        s.note(f"{len(existing)} MatMulNBits already (accuracy_level {', '.join(map(str, levels))}): not re-quantized")
+        if 4 not in self.accuracy_levels:
+            return s.result(model, False, met=True)
+        stages = [] if levels == [4] else \
+            [("accuracy_level 4", lambda m: {"quantize-int4-accuracy-level-4": _set_level(m, 4)}, False)]
+        counts, held = self._stages(model, check, s, stages + self._blocks8_stages(model))
+        if not counts:
+            s.note("model left as it is (its blocks at their level already meet any budget against themselves)")
+        return s.result(model, bool(counts), met=True, held=held, rule_counts=counts)
+
+    def _blocks8_stages(self, model: ir.Model) -> list:
+        """The 8-bit stages (:mod:`.blocks8`) the options allow, each (label, apply(model) -> rule counts, forced:
+        option ``true``, kept under the budget even when not measured faster)."""
+        vocab = self._vocab(model)
+        out = []
+
+        def fold(m: ir.Model) -> dict[str, int]:
+            c = blocks8.fold_minimums(m)
+            return {"quantize-int4-fold-minimums-8bit": c.count} if c.count else {}
+
+        def head(m: ir.Model) -> dict[str, int]:
+            c = blocks8.head_blocks8(m, vocab, level=4)
+            return {"quantize-int4-head-8bit": c.count} if c.count else {}
+
+        if self.fold_minimums != "false":
+            out.append(("Q4_1 minimums folded into 8-bit blocks (no block-sum correction)", fold,
+                        self.fold_minimums == "true"))
+        if self.head != "false":
+            out.append(("LM head in 8-bit blocks", head, self.head == "true"))
+        return out
+
+    def _stages(self, model: ir.Model, check, s: lossy.BudgetSearch, stages: list) -> tuple[dict[str, int], object]:
+        """Cumulative candidates (stage 1, stages 1-2, ...), timed round-robin against ``model``; the fastest that
+        is faster (< 0.97x the step, or made of forced stages only) and meets the budget is applied to ``model``
+        in place. Returns its rule counts ({} when none) and its held-back comparison."""
+        cands, cand, counts = [], model, {}
+        forced = True
+        for k, (label, apply, force) in enumerate(stages):
+            cand = cand.clone()
+            c = apply(cand)
+            forced = forced and (force or not c)
+            if not c:
+                continue
+            counts = {**counts, **c}
+            cands.append((label, cand, counts, k + 1, forced))
+        if not cands:
+            return {}, None
+        base = self._session(model)
+        sessions = [self._session(c[1]) for c in cands]
+        secs = nbits.step_seconds([Decoder(base)] + [Decoder(x) for x in sessions], steps=self.steps)
+        del base
+        s.note("decode step, 1 thread: as it is " + f"{1e3 * secs[0]:.2f} ms; " + "; ".join(
+            f"+ {c[0]} {1e3 * t:.2f} ms ({secs[0] / t:.2f}x)" for c, t in zip(cands, secs[1:])))
+        # forced candidates first (the most stages first), then the faster ones, fastest first
+        order = sorted((i for i, t in enumerate(secs[1:]) if t < 0.97 * secs[0] or cands[i][4]),
+                       key=lambda i: (0, -i) if cands[i][4] else (1, secs[1 + i]))
+        for i in order:
+            label, _, c, n, _ = cands[i]
+            m = s.evaluate(lambda part, x=sessions[i]: Comparison({}, decoder=check.measure(x, part)))
+            s.note(f"up to '{label}': {_text(m)}; {s.verdict(m)}")
+            if s.meets(m.held):
+                for _, apply, _ in stages[:n]:
+                    apply(model)
+                return c, m.held
+        s.note("no faster form meets the budget: the blocks stay as they are")
+        return {}, None
+
+    # ------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _session(model: ir.Model):
+        return runtime.make_session(model, threads=1, spinning=False)
+
+    @staticmethod
+    def _vocab(model: ir.Model) -> int | None:
+        for v in model.graph.outputs:
+            if v.name == "logits" and v.shape is not None and isinstance(v.shape[-1], int):
+                return int(v.shape[-1])
+        return None
+
+    def _xtx(self, model: ir.Model, check, index: list[int]) -> dict[str, np.ndarray]:
+        """XᵀX of the input of each MatMul at ``index`` over the calibration windows (GPTQ), by weight name."""
+        by_act: dict[str, list[str]] = {}
+        for i, n in enumerate(model.graph):
+            if i in index:
+                by_act.setdefault(n.inputs[0].name, []).append(n.inputs[1].name)
+        feeds = [_window_feed(model, w) for w in check.rows.windows[quality.CALIB]]
+        stats = activations.collect(model, feeds, list(by_act), xtx_for=list(by_act))
+        return {m: stats[a].xtx for a, ms in by_act.items() if a in stats and stats[a].xtx is not None for m in ms}
+
+
+def _window_feed(model: ir.Model, window) -> dict[str, np.ndarray]:
+    """One calibration window as a feed with an empty past."""
+    n = len(window)
+    feed = {"input_ids": np.asarray(window, np.int64)[None, :], "attention_mask": np.ones((1, n), np.int64)}
+    for v in model.graph.inputs:
+        if v.name == "position_ids":
+            feed[v.name] = np.arange(n, dtype=np.int64)[None, :]
+        elif v.name.startswith("past_key_values."):
+            dims = [d if isinstance(d, int) else 0 for d in v.shape]
+            dims[0] = 1
+            feed[v.name] = np.zeros(dims, np.float32)
+    return feed
+
+
+def _text(m: lossy.Measured) -> str:
+    def one(c: Comparison | None) -> str:
+        if c is None:
+            return "n/a"
+        d = c.decoder
+        return f"ppl_ratio {d['ppl_ratio']:.4f} (ppl {d['ppl']:.3f} vs {d['ppl_reference']:.3f}), " \
+               f"greedy_match {d['greedy_match']:.3f}"
+    return f"calibration {one(m.calib)}; held-back {one(m.held)}"
+
+
+def _init(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
+    v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
+                 const_value=ir.tensor(arr, name=name))
+    graph.register_initializer(v)
+    return v
+
+
+def _set_level(model: ir.Model, level: int) -> int:
+    n = 0
+    for node in model.graph:
+        if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:
+            node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
+            n += 1
+    return n
+
+
+def _rewrite(model: ir.Model, kernel: Kernel, names: set[int], emb_names: set[int], quant) -> dict[str, int]:
+    """Replace the MatMuls at positions ``names`` (graph order) by MatMulNBits and the Gathers at ``emb_names``
+    by GatherBlockQuantized."""
+    g = model.graph
+    bs, level = kernel
+    counts: dict[str, int] = {}
+    dropped = []
+    for i, node in enumerate(list(g)):
+        if i not in names and i not in emb_names:
+            continue
+        is_emb = i in emb_names
+        wv = node.inputs[0 if is_emb else 1]
+        w = wv.const_value.numpy()
+        b = quant(wv.name, w, bs, is_emb)
+        pre = f"{wv.name}_{i}"
+        zp = _init(g, f"{pre}_zp4", b.zero_points) if b.zero_points is not None else None
+        if is_emb:
+            v, h = w.shape
+            q = _init(g, f"{pre}_q4", b.packed.reshape(v, -1))
+            sc = _init(g, f"{pre}_scale4", b.scales)
+            new = ir.node("GatherBlockQuantized", [q, node.inputs[1], sc] + ([zp] if zp is not None else []),
+                          {"gather_axis": 0, "quantize_axis": 1, "block_size": bs, "bits": 4}, domain=MS_DOMAIN,
+                          name=f"{pre}_gbq")
+            rule = "quantize-int4-embedding"
+        else:
+            k, n = w.shape
+            q = _init(g, f"{pre}_q4", b.packed)
+            sc = _init(g, f"{pre}_scale4", b.scales.reshape(-1))
+            new = ir.node("MatMulNBits", [node.inputs[0], q, sc] + ([zp] if zp is not None else []),
+                          {"K": k, "N": n, "bits": 4, "block_size": bs, "accuracy_level": level}, domain=MS_DOMAIN,
+                          name=f"{pre}_nbits")
+            rule = "quantize-int4-matmul"
+        news = [new]
+        if not is_emb and b.mins is not None:  # exact affine blocks: + ReduceSum(x per block) @ minimums
+            rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else 3
+            nb = b.mins.shape[0]
+            shape = _init(g, f"{pre}_block_shape", np.array([0] * (rank - 1) + [nb, bs], np.int64))
+            axes = _init(g, f"{pre}_block_axis", np.array([-1], np.int64))
+            mins = _init(g, f"{pre}_mins", b.mins)
+            blocks = ir.node("Reshape", [node.inputs[0], shape], name=f"{pre}_blocks")
+            sums = ir.node("ReduceSum", [blocks.outputs[0], axes], {"keepdims": 0}, name=f"{pre}_block_sums")
+            corr = ir.node("MatMul", [sums.outputs[0], mins], name=f"{pre}_min_correction")
+            add = ir.node("Add", [new.outputs[0], corr.outputs[0]], name=f"{pre}_add")
+            for v in (new, blocks, sums, corr):
+                v.outputs[0].type = node.outputs[0].type
+            news = [new, blocks, sums, corr, add]
+            rule = "quantize-int4-exact-blocks"
+        last = news[-1].outputs[0]
+        last.shape, last.type = node.outputs[0].shape, node.outputs[0].type
+        ir.convenience.replace_nodes_and_values(g, node, [node], news, [node.outputs[0]], [last])
+        counts[rule] = counts.get(rule, 0) + 1
+        dropped.append(wv)
+    for wv in dropped:
+        if not wv.uses() and wv.name in g.initializers and not wv.is_graph_output():
+            del g.initializers[wv.name]
+    if counts:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return counts
+
+
+register(QuantizeInt4Pass)

@@ -1,0 +1,101 @@
+"""4-bit weight blocks for ``MatMulNBits`` and ``GatherBlockQuantized``, and decode-step timing of candidates.
+
+RTN quantization and packing are ONNX Runtime's own (``onnxruntime.quantization.matmul_nbits_quantizer``'s
+``DefaultWeightOnlyQuantizer.qbits_block_quant``, its C++ kernel): ``packed [N, n_blocks, block/2]``,
+``scales [N, n_blocks]``, ``zero_points [N, ceil(n_blocks/2)]`` (two 4-bit zero points a byte; symmetric:
+none, the implied 8). GPTQ uses :func:`.int4.gptq_int4` (symmetric).
+
+An embedding table ``[V, H]`` is blocked along H (``GatherBlockQuantized``, ``quantize_axis=1``): the same
+quantizer on the transposed table gives one row's blocks per "column", which is the layout the op reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from graphopt.generate.cache import KVCache
+from graphopt.generate.loop import Decoder
+from graphopt.rewrites.quantize.int4 import gptq_int4, pack_int4
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One weight in 4-bit blocks (ORT's MatMulNBits layout)."""
+
+    packed: np.ndarray  # uint8 [N, n_blocks, block // 2]
+    scales: np.ndarray  # float32 [N, n_blocks]
+    zero_points: np.ndarray | None  # uint8 [N, ceil(n_blocks / 2)]; None: symmetric (implied 8)
+    block_size: int
+    #: exact affine blocks (``w = d·q + m``): the block minimums ``m`` [n_blocks, N], added back as
+    #: ``ReduceSum(x per block) @ m`` beside ``MatMulNBits(x, q, d, zero points 0)``; None for RTN / GPTQ
+    mins: np.ndarray | None = None
+    #: exact blocks: the largest ``|d·q + m - w|`` over the weight
+    max_error: float = 0.0
+
+
+def rtn_blocks(w: np.ndarray, block_size: int, symmetric: bool) -> Blocks:
+    """Round-to-nearest 4-bit blocks of a [K, N] float32 weight (ONNX Runtime's quantizer)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+
+    q = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
+                                                                bits=4))
+    packed, scales, zp = q.qbits_block_quant(np.ascontiguousarray(w, np.float32))
+    return Blocks(packed, scales.astype(np.float32), None if symmetric else zp, block_size)
+
+
+def exact_blocks(w: np.ndarray, block_size: int = 32, tol: float = 1e-3) -> Blocks | None:
+    """The 4-bit affine blocks a [K, N] weight already is (``w = d·q + m``, ``q`` in 0..15 per block of
+    ``block_size`` along K, e.g. a dequantized GGUF Q4_1 tensor), or None when it is not: every element must
+    be within ``tol·d`` of its block's grid (the rounding of the dequantization, far below a 4-bit step)."""
+    k, n = w.shape
+    if k % block_size:
+        return None
+    wb = w.reshape(k // block_size, block_size, n).astype(np.float64)
+    mn, mx = wb.min(axis=1), wb.max(axis=1)  # [nb, N]: Q4_1's m is the block minimum, m + 15 d its maximum
+    d = (mx - mn) / 15.0
+    safe = np.where(d > 0, d, 1.0)
+    qf = (wb - mn[:, None, :]) / safe[:, None, :]
+    q = np.rint(qf)
+    err = np.abs(qf - q) * safe[:, None, :]
+    if np.any(err > tol * safe[:, None, :]):
+        return None
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(k, n)
+    nb = k // block_size
+    return Blocks(pack_int4(q, block_size), np.ascontiguousarray(d.T, np.float32),
+                  np.zeros((n, (nb + 1) // 2), np.uint8), block_size, mins=np.ascontiguousarray(mn, np.float32),
+                  max_error=float(err.max()))
+
+
+def gptq_blocks(w: np.ndarray, xtx: np.ndarray, block_size: int) -> Blocks:
+    """GPTQ 4-bit blocks (symmetric) of a [K, N] weight given its inputs' XᵀX."""
+    q, scales = gptq_int4(w, xtx, block_size)
+    return Blocks(pack_int4(q, block_size), np.ascontiguousarray(scales.T, np.float32), None, block_size)
+
+
+def step_seconds(decoders: Sequence[Decoder], *, prompt: int = 16, steps: int = 16, rounds: int = 3) -> list[float]:
+    """Median seconds of one decode step (batch 1, after a ``prompt``-token prefill) of each decoder, measured
+    round-robin (``rounds`` times ``steps`` steps each, interleaved so that a slow phase of the machine hits
+    every candidate alike)."""
+    times: list[list[float]] = [[] for _ in decoders]
+    ids = (np.arange(prompt, dtype=np.int64) % 97 + 3)[None, :]
+    for _ in range(rounds):
+        for j, dec in enumerate(decoders):
+            cache = KVCache(dec.sig, 1, prompt + steps)
+            mask = np.ones((1, prompt), np.int64)
+            pos = np.arange(prompt, dtype=np.int64)[None, :]
+            logits = dec.step(cache, ids, mask, pos)
+            for s in range(steps):
+                tok = np.argmax(logits, axis=-1)[:, None].astype(np.int64)
+                mask = np.ones((1, prompt + s + 1), np.int64)
+                t0 = time.perf_counter()
+                logits = dec.step(cache, tok, mask, np.array([[prompt + s]], np.int64))
+                times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
