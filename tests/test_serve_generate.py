@@ -148,6 +148,81 @@ def test_newcomers_share_one_prefill_in_place_or_staged_and_equal_each_request_a
     assert sched.prefill_runs == 3  # the 7-token prompt: padded to 20 it would waste too much; alone
 
 
+def test_prompts_that_begin_alike_reuse_the_stored_positions_and_equal_each_request_alone(gqa_dir):
+    """A shared beginning of >= MIN_PREFIX tokens is copied from the prefix store, not prefilled; the tokens are
+    those of each request alone, and the continued prefill's logits those of a prefill from the start."""
+    import numpy as np
+
+    from graphopt.generate.cache import KVCache
+    from graphopt.generate.loop import generate, open_decoder
+    from graphopt.generate.scheduler import MIN_PREFIX, Scheduler, Sequence
+
+    dec = open_decoder(gqa_dir / "model.onnx")
+    rng = random.Random(7)
+    system = [rng.randrange(4, 1000) for _ in range(24)]
+    tails = [[rng.randrange(4, 1000) for _ in range(n)] for n in (9, 1, 14, 0, 5)]
+    prompts = [system + t for t in tails] + [system[:MIN_PREFIX - 1] + [7, 8, 9]]
+    prompts.insert(2, list(prompts[0]))  # the same prompt again: all but its last two positions reused
+    alone = [generate(dec, p, max_new_tokens=10).token_ids for p in prompts]
+    sched = Scheduler(dec, slots=3, context=CONTEXT)
+    seqs = [Sequence(p, 10) for p in prompts]
+    sched.add(seqs[0])
+    sched.step()  # the first prompt prefilled from its start, then kept
+    assert sched.prefixes.hits == 0 and sched.prefixes.tokens[0] is not None
+    _drive(sched, seqs[1:], random.Random(3))
+    assert [s.tokens for s in seqs] == alone
+    # each later prompt but the last reuses its common beginning with a stored one, at most its length - 2:
+    # system + 1 token: 23; the repeated prompt: 31 of 33; system + 14: 24; system alone: 22; system + 5: 24;
+    # the last shares only MIN_PREFIX - 1 tokens and is prefilled from its start
+    assert sched.prefixes.hits == 5
+    assert sched.prefixes.reused == 23 + 31 + 24 + 22 + 24
+    # the continued forward's logits against a prefill from the start, for one prompt
+    p = prompts[1]
+    full = KVCache(dec.sig, 1, CONTEXT)
+    ref = dec.step(full, np.array([p]), np.ones((1, len(p)), np.int64), np.arange(len(p))[None, :])
+    part = KVCache(dec.sig, 1, CONTEXT)
+    m = 24
+    dec.step(part, np.array([p[:m]]), np.ones((1, m), np.int64), np.arange(m)[None, :])
+    got = dec.step(part.rows(0, 1), np.array([p[m:]]), np.ones((1, len(p)), np.int64),
+                   np.arange(m, len(p))[None, :])
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+
+
+def test_the_prefill_budget_counts_the_positions_that_run(gqa_dir):
+    """Positions taken from the prefix store do not count against --prefill-tokens."""
+    from graphopt.generate.loop import open_decoder
+    from graphopt.generate.scheduler import Scheduler, Sequence
+
+    dec = open_decoder(gqa_dir / "model.onnx")
+    rng = random.Random(9)
+    system = [rng.randrange(4, 1000) for _ in range(24)]
+    prompts = [system + [rng.randrange(4, 1000) for _ in range(16)] for _ in range(4)]
+    admitted = {}
+    for cache in (4, 0):
+        sched = Scheduler(dec, slots=8, context=CONTEXT, prefill_tokens=40, prefix_cache=cache)
+        sched.add(Sequence(prompts[0], 30))
+        sched.step()
+        for p in prompts[1:]:
+            sched.add(Sequence(p, 30))
+        sched.step()
+        admitted[cache] = sched.active
+    assert admitted == {4: 3, 0: 2}  # 16 positions run per newcomer with the store (2 fit in 40), 40 without
+
+
+def test_no_prefix_store_when_disabled_and_short_prompts_are_not_kept(gqa_dir):
+    from graphopt.generate.loop import open_decoder
+    from graphopt.generate.scheduler import MIN_PREFIX, Scheduler, Sequence
+
+    dec = open_decoder(gqa_dir / "model.onnx")
+    assert Scheduler(dec, slots=2, context=CONTEXT, prefix_cache=0).prefixes is None
+    sched = Scheduler(dec, slots=2, context=CONTEXT)
+    for _ in range(2):
+        sched.add(Sequence([5] * (MIN_PREFIX - 1), 3))
+    while not sched.idle:
+        sched.step()
+    assert sched.prefixes.hits == 0 and all(t is None for t in sched.prefixes.tokens)
+
+
 def test_prefill_groups_bound_the_padding():
     from graphopt.generate.scheduler import prefill_groups
 

@@ -11,6 +11,10 @@ engine's wall time, prompts per prefill forward, the prefills' share of the time
 the ratio shared / alone; every request's tokens are compared between the variants::
 
     python tools/bench_scheduler.py --model int4.onnx --clients 16 --requests 64 --max-tokens 64 --rounds 4
+
+``--compare prefix``: the variants are ``prefix`` (the default prefix store: prompts that begin alike reuse the
+stored positions) and ``no-prefix`` (``prefix_cache=0``), both with shared prefills; ``--one-client`` adds the
+same two with one request in flight, for the ratio batched / one client.
 """
 
 from __future__ import annotations
@@ -73,15 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare", choices=("shared", "prefix"), default="shared",
+                    help="shared: shared prefills against one per newcomer; prefix: the prefix store on and off")
+    ap.add_argument("--one-client", action="store_true", help="--compare prefix: also each variant at 1 client")
     args = ap.parse_args(argv)
     tok = chat.load_tokenizer(chat.tokenizer_folder(args.model))
     stops = frozenset(chat.stop_ids(tok, args.model.parent))
     texts = _serve_bench().prompts(args.model, args.requests * args.rounds, args.seed)
     ids = [chat.encode(tok, t) for t in texts]
     dec = open_decoder(args.model, threads=args.threads)
-    variants = {"shared": PAD_WASTE, "alone": -1.0}
-    scheds = {k: Scheduler(dec, slots=args.clients, context=512, pad_id=chat.pad_id(tok), pad_waste=w)
-              for k, w in variants.items()}
+    pad = chat.pad_id(tok)
+    if args.compare == "shared":
+        variants = {"shared": dict(pad_waste=PAD_WASTE, prefix_cache=0), "alone": dict(pad_waste=-1.0, prefix_cache=0)}
+    else:
+        variants = {"prefix": {}, "no-prefix": dict(prefix_cache=0)}
+    clients = {k: args.clients for k in variants}
+    if args.compare == "prefix" and args.one_client:
+        variants |= {"prefix-1": {}, "no-prefix-1": dict(prefix_cache=0)}
+        clients |= {"prefix-1": 1, "no-prefix-1": 1}
+    first_two = list(variants)[:2]
+    scheds = {k: Scheduler(dec, slots=args.clients, context=512, pad_id=pad, **kw) for k, kw in variants.items()}
     made = {k: [0, 0.0] for k in variants}
     ttft: dict[str, list[float]] = {k: [] for k in variants}
     ratios, wrong = [], 0
@@ -90,22 +105,30 @@ def main(argv: list[str] | None = None) -> int:
         work = ids[rnd * args.requests:(rnd + 1) * args.requests]
         out, rate = {}, {}
         for k, sched in scheds.items():
-            out[k], secs, waits = closed_loop(sched, work, args.clients, args.max_tokens, stops)
+            out[k], secs, waits = closed_loop(sched, work, clients[k], args.max_tokens, stops)
             ttft[k] += waits
             n = sum(len(t) for t in out[k])
             made[k][0] += n
             made[k][1] += secs
             rate[k] = n / secs
-        wrong += sum(a != b for a, b in zip(out["shared"], out["alone"]))
-        ratios.append(rate["shared"] / rate["alone"])
+        a, b = first_two
+        wrong += sum(len({tuple(out[k][i]) for k in variants}) > 1 for i in range(len(work)))
+        ratios.append(rate[a] / rate[b])
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {r:.1f} tok/s" for k, r in rate.items()), flush=True)
     for k, s in scheds.items():
         share = s.prefill_seconds / (s.prefill_seconds + s.decode_seconds)
+        total = sum(len(p) for p in ids[:args.requests * args.rounds])
+        reused = (f", {s.prefixes.hits} prefix hits, {s.prefixes.reused} of {total} prompt positions reused"
+                  if s.prefixes else "")
         print(f"{k}: {made[k][0] / made[k][1]:.1f} tok/s, {s.prefills / s.prefill_runs:.2f} prompts per prefill "
-              f"forward, prefills {share:.1%} of the engine's time, TTFT p50 / p99 "
-              f"{percentile(ttft[k], 50) * 1e3:,.0f} / {percentile(ttft[k], 99) * 1e3:,.0f} ms")
-    print(f"shared / alone: median of rounds {statistics.median(ratios):.2f}x; requests whose tokens differ: {wrong} "
-          f"of {args.requests * args.rounds}; load average {os.getloadavg()}")
+              f"forward, prefills {share:.1%} of the engine's time, decode {s.decode_rows / s.decode_seconds:.1f} "
+              f"rows/s, TTFT p50 / p99 {percentile(ttft[k], 50) * 1e3:,.0f} / {percentile(ttft[k], 99) * 1e3:,.0f} "
+              f"ms{reused}")
+    if "prefix-1" in made:
+        for k in ("prefix", "no-prefix"):
+            print(f"{k}: {args.clients} clients / 1 client: {made[k][0] / made[k][1] / (made[k + '-1'][0] / made[k + '-1'][1]):.2f}x")
+    print(f"{a} / {b}: median of rounds {statistics.median(ratios):.2f}x; requests whose tokens differ between "
+          f"variants: {wrong} of {args.requests * args.rounds}; load average {os.getloadavg()}")
     return 1 if wrong else 0
 
 

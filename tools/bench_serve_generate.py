@@ -9,6 +9,7 @@ the tokenizer's chat template), greedy, ``stream=true``, ``--max-tokens`` new to
     batched       graphopt serve --slots N, N clients (continuous batching)
     one-client    the same server, 1 client (one request at a time: the single-stream rate)
     serial        graphopt serve --slots 1, N clients (served one at a time; queueing shows in TTFT)
+    no-prefix     graphopt serve --slots N --prefix-cache 0, N clients (continuous batching, no prefix cache)
     llama.cpp     python -m llama_cpp.server on the GGUF (--gguf), N clients, when its server extra imports
 
 Per variant: requests, aggregate completion tokens/s over the phases' wall time (prefills included) and the
@@ -164,7 +165,8 @@ async def phase(session, server: Server, clients: int, work: list[int], texts: l
 
 
 #: the engine counters a phase reads from /stats (the deltas are summed over rounds)
-STATS = ("decode_rows", "decode_seconds", "prefills", "prefill_runs", "prefill_seconds")
+STATS = ("decode_rows", "decode_seconds", "prefills", "prefill_runs", "prefill_seconds", "prefix_hits",
+         "prefix_positions_reused")
 
 
 def summarize(name: str, results: list[tuple[int, dict]], wall: float, reference: dict[int, str] | None,
@@ -182,6 +184,7 @@ def summarize(name: str, results: list[tuple[int, dict]], wall: float, reference
            "prefills_per_run": round(decode[2] / decode[3], 2) if decode and decode[3] else None,
            "prefill_share": (round(decode[4] / (decode[1] + decode[4]), 3) if decode and decode[1] + decode[4]
                              else None),
+           "prefix_hits": decode[5] if decode else None,
            "ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 1) if ttft else None,
            "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1) if ttft else None,
            "itl_p50_ms": round(percentile(itl, 50) * 1e3, 2) if itl else None,
@@ -214,6 +217,8 @@ async def run(args) -> dict:
               "--max-queue", str(4 * args.clients), *threads]
     servers = {"batched": Server("batched", [*gserve, "--slots", str(args.clients)]),
                "serial": Server("serial", [*gserve, "--slots", "1"])}
+    if args.no_prefix_requests:
+        servers["no-prefix"] = Server("no-prefix", [*gserve, "--slots", str(args.clients), "--prefix-cache", "0"])
     skipped = {}
     why = _llama_available(args.llama_path) if args.gguf else "no --gguf given"
     if why is None:
@@ -236,6 +241,8 @@ async def run(args) -> dict:
             reference = {i: r["text"] for i, r in ref_results if "error" not in r}
             plan = {"batched": (args.clients, args.requests), "one-client": (1, args.single_requests),
                     "serial": (args.clients, args.serial_requests)}
+            if "no-prefix" in servers:
+                plan["no-prefix"] = (args.clients, args.no_prefix_requests)
             if "llama.cpp" in servers:
                 plan["llama.cpp"] = (args.clients, args.serial_requests)
             acc = {k: ([], 0.0, None) for k in plan}
@@ -283,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=1000, help="batched variant, over all rounds")
     ap.add_argument("--single-requests", type=int, default=48, help="one-client variant")
     ap.add_argument("--serial-requests", type=int, default=64, help="serial and llama.cpp variants")
+    ap.add_argument("--no-prefix-requests", type=int, default=0,
+                    help="no-prefix variant (a batched server without the prefix cache; 0: not run)")
     ap.add_argument("--prompts", type=int, default=64, help="distinct prompts (cycled)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
@@ -295,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     result = asyncio.run(run(args))
     result["date"] = t0
     cols = ("variant", "requests", "failed", "wrong", "checked", "tokens_per_s", "vs_one_client", "round_ratio_median",
-            "decode_tokens_per_s", "decode_vs_one_client", "prefills_per_run", "prefill_share", "ttft_p50_ms",
+            "decode_tokens_per_s", "decode_vs_one_client", "prefills_per_run", "prefill_share", "prefix_hits", "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
     print(" | ".join(cols))
     for r in result["rows"]:

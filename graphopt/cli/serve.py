@@ -41,6 +41,7 @@ def command(
     context: Annotated[int | None, typer.Option("--context", help="Decoders: most positions per request, prompt and new tokens (default: the model's maximum, at most 2048).", min=2)] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Decoders: most requests waiting for a slot; more get 429.", min=0)] = 64,
     prefill_tokens: Annotated[int, typer.Option("--prefill-tokens", help="Decoders: most prompt tokens prefilled between two decode steps (at least one request).", min=1)] = 512,
+    prefix_cache: Annotated[int, typer.Option("--prefix-cache", help="Decoders: recent prompts whose KV positions are kept for requests that begin with the same tokens (16 or more; 0: none).", min=0)] = 4,
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Decoders: folder of the tokenizer (default: the model's folder).")] = None,
 ) -> None:
     """Serve MODEL over HTTP: /v2/health/ready, /v2/models/NAME, /v2/models/NAME/infer (JSON or binary).
@@ -70,7 +71,8 @@ def command(
         from graphopt.serve.generation import DecoderService
 
         service = DecoderService.load(model, name=name, tokenizer=tokenizer, slots=slots, context=context,
-                                      max_queue=max_queue, prefill_tokens=prefill_tokens, threads=threads or None)
+                                      max_queue=max_queue, prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
+                                      threads=threads or None)
         print(f"serving {service.name!r} (generation, {service.engine.scheduler.slots} slots, context "
               f"{service.context}) on http://{host}:{port}/v1", flush=True)
         serve_generation(service, host=host, port=port)

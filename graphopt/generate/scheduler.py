@@ -4,7 +4,7 @@ A GroupQueryAttention graph (``sig.shared_buffer``) reads and writes one cache b
 ``[slots, kv_heads, context, head_dim]``, each row at its own length (``sum(mask) - 1``). A row of that buffer
 is a *slot*; a request holds one from its prefill to its last token::
 
-    step:  admit   waiting requests into free slots (up to ``prefill_tokens`` prompt tokens, at least one)
+    step:  admit   waiting requests into free slots (up to ``prefill_tokens`` prompt tokens to run, at least one)
                    ──prefilled together: right-padded rows of one forward──▶ token 1 of each
            decode  every running slot ──one batched run over buffer[:top+1], one token per row──▶ token t+1
            evict   rows that chose a stop id, reached their max_new or were cancelled free their slot
@@ -21,6 +21,14 @@ In the decode run row ``b``'s mask is a prefix of ones of its own length plus on
 row, so each row attends to its own positions only and its tokens equal the same request run alone (greedy).
 Free slots below the highest running one run as one-token dummy rows (the lowest free slot is taken first,
 so under load there are none). A request's sampler is its own (seeded per request).
+
+A newcomer whose prompt begins with at least ``MIN_PREFIX`` tokens of a recent prompt (a chat template's system
+prompt, a shared instruction) reuses them (``prefix_cache`` entries, ``PrefixStore``): those positions are copied
+from the store into its slot and only the rest of the prompt runs, as one forward over the cached past. Each
+prefilled prompt's positions go into the store (least recently used entry out). At least two prompt tokens
+always run, so the forward is a multi-row one as a first-prompt run is; the rows' keys, values and logits are the
+numbers of the prompt run from its start (checked bit for bit on SmolLM2, ``tests/test_serve_generate.py`` on a
+tiny decoder).
 
 Other graphs (two cache buffers, rows of equal length): one slot, a request at a time, each with its own
 ``KVCache`` (the fallback is serial; requests still queue and stream).
@@ -71,6 +79,60 @@ Event = tuple[Sequence, int, str | None]
 
 #: most padding a batched prefill takes on, as a fraction of its prompt tokens (more: another forward)
 PAD_WASTE = 0.1
+#: shortest common beginning with a stored prompt that a newcomer reuses instead of prefilling it
+MIN_PREFIX = 16
+#: prompts kept for reuse, and the most positions of one kept
+PREFIX_ENTRIES = 4
+PREFIX_POSITIONS = 512
+
+
+class PrefixStore:
+    """The KV positions of recent prompts (one cache row each, up to ``positions``), for newcomers that begin
+    with the same tokens; least recently used out."""
+
+    def __init__(self, sig, entries: int, positions: int):
+        self.cache = KVCache(sig, entries, positions)
+        self.tokens: list[np.ndarray | None] = [None] * entries
+        self._used = [0] * entries
+        self._clock = itertools.count(1)
+        self.hits = 0
+        self.reused = 0  # prompt positions taken from the store instead of prefilled
+
+    def match(self, prompt: list[int]) -> tuple[int, int]:
+        """(entry, length) of the stored prompt sharing the longest beginning with ``prompt`` ((-1, 0): none)."""
+        p = np.asarray(prompt, np.int64)
+        best = (-1, 0)
+        for i, t in enumerate(self.tokens):
+            if t is None:
+                continue
+            n = min(len(t), len(p))
+            differ = np.flatnonzero(t[:n] != p[:n])
+            m = int(differ[0]) if len(differ) else n
+            if m > best[1]:
+                best = (i, m)
+        return best
+
+    def take(self, entry: int, pool: KVCache, row: int, length: int) -> None:
+        """Positions ``0 .. length - 1`` of ``entry`` into ``pool``'s row ``row``."""
+        pool.copy_row(self.cache, entry, row, length)
+        self._used[entry] = next(self._clock)
+        self.hits += 1
+        self.reused += length
+
+    def keep(self, pool: KVCache, row: int, prompt: list[int]) -> None:
+        """``prompt``'s positions (prefilled in ``pool``'s row ``row``) into the store."""
+        n = min(len(prompt), self.cache.max_length)
+        if n < MIN_PREFIX:
+            return
+        head = np.asarray(prompt[:n], np.int64)
+        for i, t in enumerate(self.tokens):
+            if t is not None and len(t) >= n and np.array_equal(t[:n], head):
+                self._used[i] = next(self._clock)  # already held
+                return
+        free = [i for i, t in enumerate(self.tokens) if t is None]
+        entry = free[0] if free else int(np.argmin(self._used))
+        self.cache.copy_row(pool, row, entry, n)
+        self.tokens[entry], self._used[entry] = head, next(self._clock)
 
 
 def prefill_groups(lengths: list[int], waste: float = PAD_WASTE) -> list[list[int]]:
@@ -95,10 +157,11 @@ class Scheduler:
     ``prefill_tokens``: prompt tokens prefilled per step before the decode run (at least one request), so
     that a burst of newcomers delays the running rows' next token by a bounded time. ``pad_waste``: most
     padding of a shared prefill, as a fraction of its prompt tokens (negative: every newcomer alone).
+    ``prefix_cache``: recent prompts kept for newcomers that begin with the same tokens (0: none).
     """
 
     def __init__(self, decoder: Decoder, *, slots: int = 8, context: int = 2048, pad_id: int = 0,
-                 prefill_tokens: int = 512, pad_waste: float = PAD_WASTE):
+                 prefill_tokens: int = 512, pad_waste: float = PAD_WASTE, prefix_cache: int = PREFIX_ENTRIES):
         sig = decoder.sig
         if slots < 1 or context < 2:
             raise UsageError(f"continuous batching needs slots >= 1 and context >= 2 (got {slots}, {context})")
@@ -112,6 +175,10 @@ class Scheduler:
         self.slots = slots if self.batched else 1
         self._pool = KVCache(sig, self.slots, context) if self.batched else None
         self._serial: KVCache | None = None
+        if prefix_cache < 0:
+            raise UsageError(f"prefix_cache must be >= 0 (got {prefix_cache})")
+        self.prefixes = (PrefixStore(sig, prefix_cache, min(context, PREFIX_POSITIONS))
+                         if self.batched and prefix_cache else None)
         self.running: list[Sequence | None] = [None] * self.slots
         self.waiting: collections.deque[Sequence] = collections.deque()
         #: decode runs and the rows they carried (real requests), for the server's statistics
@@ -167,12 +234,12 @@ class Scheduler:
             if s is not None and s.cancelled:
                 self._evict(i, "cancelled")
         fresh, budget = {}, self.prefill_tokens
-        while self.waiting and None in self.running and (not fresh or len(self.waiting[0].prompt) <= budget):
+        while self.waiting and None in self.running and (not fresh or self._to_prefill(self.waiting[0]) <= budget):
             seq = self.waiting.popleft()
             if seq.cancelled:
                 seq.finish = "cancelled"
                 continue
-            budget -= len(seq.prompt)
+            budget -= self._to_prefill(seq)
             slot = self.running.index(None)
             self.running[slot], seq.slot = seq, slot
             fresh[seq.id] = seq
@@ -182,6 +249,16 @@ class Scheduler:
         if rows:
             events += self._decode()
         return events
+
+    def _reusable(self, prompt: list[int]) -> tuple[int, int]:
+        """(store entry, positions) of ``prompt`` taken from the prefix store ((-1, 0): none)."""
+        entry, m = self.prefixes.match(prompt) if self.prefixes is not None else (-1, 0)
+        m = min(m, len(prompt) - 2)  # at least two positions run: a multi-row forward, as a first-prompt run
+        return (entry, m) if m >= MIN_PREFIX else (-1, 0)
+
+    def _to_prefill(self, seq: Sequence) -> int:
+        """Prompt positions ``seq``'s prefill runs (the rest come from the prefix store)."""
+        return len(seq.prompt) - self._reusable(seq.prompt)[1]
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> Event:
         tok = int(seq.sampler(logits[None, :])[0])
@@ -207,11 +284,36 @@ class Scheduler:
         if not self.batched:
             return [self._prefill_serial(seq) for seq in seqs]
         logits: dict[int, np.ndarray] = {}
-        for group in prefill_groups([len(s.prompt) for s in seqs], self.pad_waste):
-            rows = [seqs[i] for i in group]
+        fresh = []
+        for seq in seqs:
+            entry, m = self._reusable(seq.prompt)
+            if m:
+                logits[seq.id] = self._prefill_continued(seq, entry, m)
+            else:
+                fresh.append(seq)
+        for group in prefill_groups([len(s.prompt) for s in fresh], self.pad_waste):
+            rows = [fresh[i] for i in group]
             for seq, row in zip(rows, self._prefill_rows(rows)):
                 logits[seq.id] = row
+        if self.prefixes is not None:
+            for seq in seqs:
+                self.prefixes.keep(self._pool, seq.slot, seq.prompt)
         return [self._emit(seq, logits[seq.id]) for seq in seqs]
+
+    def _prefill_continued(self, seq: Sequence, entry: int, m: int) -> np.ndarray:
+        """``seq``'s first ``m`` positions from the prefix store, the rest of its prompt as one forward over
+        them; the logits of its last prompt position."""
+        n = len(seq.prompt)
+        t0 = time.perf_counter()
+        self.prefixes.take(entry, self._pool, seq.slot, m)
+        logits = self.decoder.step(self._pool.rows(seq.slot, 1), np.array([seq.prompt[m:]], np.int64),
+                                   np.ones((1, n), np.int64), np.arange(m, n, dtype=np.int64)[None, :],
+                                   rows_last=np.array([n - m - 1]))
+        self.prefill_seconds += time.perf_counter() - t0
+        seq.length = n
+        self.prefills += 1
+        self.prefill_runs += 1
+        return logits[0]
 
     def _prefill_rows(self, seqs: list[Sequence]) -> np.ndarray:
         """One right-padded first-prompt forward over ``seqs``; their last prompt positions' logits."""

@@ -261,7 +261,9 @@ def make_generation_app(service: DecoderService) -> Starlette:
                              "tokens": engine.tokens, "prefills": s.prefills, "prefill_runs": s.prefill_runs,
                              "decode_runs": s.decode_runs,
                              "decode_rows": s.decode_rows, "decode_seconds": round(s.decode_seconds, 6),
-                             "prefill_seconds": round(s.prefill_seconds, 6), "slots": s.slots})
+                             "prefill_seconds": round(s.prefill_seconds, 6), "slots": s.slots,
+                             "prefix_hits": s.prefixes.hits if s.prefixes else 0,
+                             "prefix_positions_reused": s.prefixes.reused if s.prefixes else 0})
 
     async def http_error(request: Request, exc: HTTPException):
         return JSONResponse({"error": exc.detail if isinstance(exc.detail, str) else str(exc.detail)},

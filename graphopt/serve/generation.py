@@ -23,7 +23,7 @@ from graphopt.errors import UsageError
 from graphopt.generate import chat as tokens
 from graphopt.generate.loop import open_decoder
 from graphopt.generate.sampling import Sampling
-from graphopt.generate.scheduler import Scheduler
+from graphopt.generate.scheduler import PREFIX_ENTRIES, Scheduler
 from graphopt.serve.engine import Engine
 from graphopt.serve.textstream import TextStream
 
@@ -109,7 +109,7 @@ class DecoderService:
     @classmethod
     def load(cls, path: str | Path, *, name: str | None = None, tokenizer: str | Path | None = None,
              slots: int = 8, context: int | None = None, max_queue: int = 64, prefill_tokens: int = 512,
-             threads: int | None = None) -> DecoderService:
+             prefix_cache: int = PREFIX_ENTRIES, threads: int | None = None) -> DecoderService:
         path = Path(path)
         folder = tokens.tokenizer_folder(path, tokenizer)
         tok = tokens.load_tokenizer(folder)
@@ -122,7 +122,7 @@ class DecoderService:
         elif limit is not None and context > limit:
             raise UsageError(f"--context {context} is over the model's maximum of {limit} positions")
         sched = Scheduler(decoder, slots=slots, context=context, pad_id=tokens.pad_id(tok),
-                          prefill_tokens=prefill_tokens)
+                          prefill_tokens=prefill_tokens, prefix_cache=prefix_cache)
         return cls(name or path.name.split(".")[0], path, tok, Engine(sched, max_queue=max_queue),
                    tokens.stop_ids(tok, *folders))
 
