@@ -185,6 +185,7 @@ def summarize(name: str, results: list[tuple[int, dict]], wall: float, reference
            "prefill_share": (round(decode[4] / (decode[1] + decode[4]), 3) if decode and decode[1] + decode[4]
                              else None),
            "prefix_hits": decode[5] if decode else None,
+           "prefix_positions_reused": decode[6] if decode else None,
            "ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 1) if ttft else None,
            "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1) if ttft else None,
            "itl_p50_ms": round(percentile(itl, 50) * 1e3, 2) if itl else None,

@@ -233,18 +233,24 @@ class Scheduler:
         for i, s in enumerate(self.running):
             if s is not None and s.cancelled:
                 self._evict(i, "cancelled")
-        fresh, budget = {}, self.prefill_tokens
-        while self.waiting and None in self.running and (not fresh or self._to_prefill(self.waiting[0]) <= budget):
-            seq = self.waiting.popleft()
+        fresh: dict[int, Sequence] = {}
+        reuse: dict[int, tuple[int, int]] = {}  # per newcomer: (prefix store entry, positions taken from it)
+        budget = self.prefill_tokens
+        while self.waiting and None in self.running:
+            seq = self.waiting[0]
+            entry, m = self._reusable(seq.prompt)
+            if fresh and len(seq.prompt) - m > budget:
+                break
+            self.waiting.popleft()
             if seq.cancelled:
                 seq.finish = "cancelled"
                 continue
-            budget -= self._to_prefill(seq)
+            budget -= len(seq.prompt) - m
             slot = self.running.index(None)
             self.running[slot], seq.slot = seq, slot
-            fresh[seq.id] = seq
+            fresh[seq.id], reuse[seq.id] = seq, (entry, m)
         if fresh:
-            events += self._prefill(list(fresh.values()))
+            events += self._prefill(list(fresh.values()), reuse)
         rows = [s for s in self.running if s is not None and s.id not in fresh]
         if rows:
             events += self._decode()
@@ -255,10 +261,6 @@ class Scheduler:
         entry, m = self.prefixes.match(prompt) if self.prefixes is not None else (-1, 0)
         m = min(m, len(prompt) - 2)  # at least two positions run: a multi-row forward, as a first-prompt run
         return (entry, m) if m >= MIN_PREFIX else (-1, 0)
-
-    def _to_prefill(self, seq: Sequence) -> int:
-        """Prompt positions ``seq``'s prefill runs (the rest come from the prefix store)."""
-        return len(seq.prompt) - self._reusable(seq.prompt)[1]
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> Event:
         tok = int(seq.sampler(logits[None, :])[0])
@@ -278,15 +280,16 @@ class Scheduler:
         self.running[slot] = None
         seq.slot = None
 
-    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
-        """Prefill newcomers (already in their slots): one forward per length group, or one each on graphs
-        without a shared buffer; the first token of each, in admission order."""
+    def _prefill(self, seqs: list[Sequence], reuse: dict[int, tuple[int, int]]) -> list[Event]:
+        """Prefill newcomers (already in their slots): those with positions in the prefix store (``reuse``, by
+        id: entry and positions, read at admission) continue from them, the rest one forward per length group,
+        or one each on graphs without a shared buffer; the first token of each, in admission order."""
         if not self.batched:
             return [self._prefill_serial(seq) for seq in seqs]
         logits: dict[int, np.ndarray] = {}
         fresh = []
         for seq in seqs:
-            entry, m = self._reusable(seq.prompt)
+            entry, m = reuse[seq.id]
             if m:
                 logits[seq.id] = self._prefill_continued(seq, entry, m)
             else:
