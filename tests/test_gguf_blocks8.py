@@ -64,3 +64,23 @@ def test_export_folds_and_its_q8_head_goes_8bit(exported):
     # tiny model: 2.4% of the largest logit, every position's argmax kept)
     assert np.abs(got - ref).max() / np.abs(ref).max() <= 4e-2
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+
+
+def test_decoder_recipe_reads_the_chains_with_implied_zero_points(exported, run_cli, tmp_path):
+    """``graphopt optimize`` of the GGUF export (the decoder recipe, every exact pass verified by the pipeline):
+    its last step drops the zero points of every Q4_1 chain, and the greedy tokens are the export's."""
+    from graphopt.generate.loop import generate
+
+    out = tmp_path / "opt.onnx"
+    # untimed: the tiny model's 0.07 ms step is all noise (the timing rule has a test of its own)
+    code, stdout, err = run_cli("optimize", exported, "-o", out, "--set", "implied-zero-points.measure=false")
+    assert code == 0, err
+    assert "implied-zero-points×14" in stdout, stdout
+    model = ir.load(out)
+    nbits = [n for n in model.graph if n.op_type == "MatMulNBits"]
+    assert nbits and all(len(n.inputs) == 3 for n in nbits if n.attributes.get_int("bits") == 4), \
+        [len(n.inputs) for n in nbits]
+    prompt = [1, 5, 9, 3, 7, 2, 11, 4]
+    ref = generate(str(exported), prompt, max_new_tokens=12).token_ids
+    got = generate(str(out), prompt, max_new_tokens=12).token_ids
+    assert got == ref

@@ -48,7 +48,8 @@ from graphopt.errors import GraphoptError, PassError, UsageError, first_line
 BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "convert_precision",
                                     "prune_heads", "early_exit", "sparsify", "contextual_sparsity", "cut_positions",
                                     "merge_projections", "group_query_attention", "kv_cache_quant",
-                                    "decode_sparsity", "speculative_heads", "q8_tables", "layer_skip")
+                                    "decode_sparsity", "speculative_heads", "q8_tables", "layer_skip",
+                                    "implied_zero_points")
 
 Feed = Mapping[str, np.ndarray]
 

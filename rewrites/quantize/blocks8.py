@@ -22,7 +22,12 @@ Runtime 1.32's 8-bit kernel at level 1 measured ~30x slower than the fp32 MatMul
    exact again for a dequantized Q8_0 table). The embedding ``Gather`` keeps reading the float table. 113 MB of
    fp32 read per token become 28 MB.
 
-Both return what they changed (counts and the largest weight error in units of the block's step); nothing else
+3. :func:`drop_zero_points`: the exact chain read with ONNX Runtime's implied zero point 8 instead of zero points 0,
+   the minimums shifted by ``8·d`` (``d·q + m = d·(q - 8) + (m + 8d)``): exact with fp32 activations (the
+   ``implied-zero-points`` pass); at ``accuracy_level`` 4 it is the more accurate form (the int8 activations
+   multiply the centred ``q - 8``, the ``8d`` part is summed in fp32), so ``quantize-int4`` uses it there.
+
+The first two return what they changed (counts and the largest weight error in units of the block's step); nothing else
 in the graph moves. Refusals (a chain not in these forms, a value read elsewhere) leave that node as it is.
 """
 
@@ -98,8 +103,9 @@ def affine_to_u8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarra
 
 
 def _minimum_chain(add: ir.Node):
-    """(MatMulNBits, Reshape, ReduceSum, MatMul) of ``Add(MatMulNBits(x, q, d, 0), ReduceSum(Reshape(x)) @ m)``,
-    or None."""
+    """(MatMulNBits, Reshape, ReduceSum, MatMul) of ``Add(MatMulNBits(x, q, d, 0), ReduceSum(Reshape(x)) @ m)``
+    or of the implied-zero-point form ``Add(MatMulNBits(x, q, d), ReduceSum(Reshape(x)) @ (m + 8·d))``
+    (``implied-zero-points``), or None."""
     if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
         return None
     for a, c in (add.inputs, add.inputs[::-1]):
@@ -108,7 +114,7 @@ def _minimum_chain(add: ir.Node):
                 or corr.op_type != "MatMul" or corr.domain not in ("", "ai.onnx"):
             continue
         ins = list(nb.inputs)
-        if len(ins) != 4 or nb.attributes.get_int("bits", 4) != 4 or any(_const(v) is None for v in ins[1:]):
+        if len(ins) not in (3, 4) or nb.attributes.get_int("bits", 4) != 4 or any(_const(v) is None for v in ins[1:]):
             continue
         if not (_only_use(a, add) and _only_use(c, add)) or _const(corr.inputs[1]) is None:
             continue
@@ -118,8 +124,8 @@ def _minimum_chain(add: ir.Node):
         if rh is None or rh.op_type != "Reshape" or rh.inputs[0] is not ins[0]:
             continue
         n, bs = nb.attributes.get_int("N"), nb.attributes.get_int("block_size")
-        mins, zp = _const(corr.inputs[1]), _const(ins[3])
-        if mins.shape != (-(-nb.attributes.get_int("K") // bs), n) or np.any(zp):
+        mins = _const(corr.inputs[1])
+        if mins.shape != (-(-nb.attributes.get_int("K") // bs), n) or (len(ins) == 4 and np.any(_const(ins[3]))):
             continue
         return nb, rh, rs, corr
     return None
@@ -138,6 +144,8 @@ def fold_minimums(model: ir.Model) -> Changed:
         q = unpack4(_const(nb.inputs[1]))
         d = _const(nb.inputs[2]).reshape(n, -1)
         m = _const(corr.inputs[1]).T
+        if len(nb.inputs) == 3:  # implied zero point 8: the correction holds m + 8·d
+            m = m - np.float32(8) * d
         q8, d8, z8, err, rest = affine_to_u8(q.astype(np.float64), d, m)
         stem = nb.name or nb.inputs[1].name
         attrs = {a.name: a.value for a in nb.attributes.values()}
@@ -239,3 +247,65 @@ def head_blocks8(model: ir.Model, vocab: int | None, *, level: int = 4, block: i
     if out.count:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     return out
+
+
+def _split_slice(add: ir.Node):
+    """(MatMulNBits, correction MatMul, first column) of ``Add(MatMulNBits(x, q, d, 0), Split(bs @ M)[i])``: the
+    minimum corrections of sibling projections merged into one MatMul (``merge-projections``) while their
+    MatMulNBits stayed apart; or None."""
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
+        return None
+    for a, c in (add.inputs, add.inputs[::-1]):
+        nb, sp = (a.producer() if a is not None else None), (c.producer() if c is not None else None)
+        if nb is None or sp is None or nb.op_type != "MatMulNBits" or sp.op_type != "Split" or len(nb.inputs) != 4:
+            continue
+        if nb.attributes.get_int("bits", 4) != 4 or any(_const(v) is None for v in nb.inputs[1:]) \
+                or np.any(_const(nb.inputs[3])) or len(a.uses()) != 1 or a.is_graph_output():
+            continue
+        corr = sp.inputs[0].producer() if sp.inputs[0] is not None else None
+        if corr is None or corr.op_type != "MatMul" or _const(corr.inputs[1]) is None or len(corr.outputs[0].uses()) != 1:
+            continue
+        rs = corr.inputs[0].producer() if corr.inputs[0] is not None else None
+        rh = rs.inputs[0].producer() if rs is not None and rs.op_type == "ReduceSum" and rs.inputs[0] is not None \
+            else None
+        if rh is None or rh.op_type != "Reshape" or rh.inputs[0] is not nb.inputs[0]:
+            continue
+        sizes = _const(sp.inputs[1]) if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
+        mins = _const(corr.inputs[1])
+        if sizes is None or sp.attributes.get_int("axis", 0) not in (-1, len(c.shape or ()) - 1) \
+                or mins.shape[0] != -(-nb.attributes.get_int("K") // nb.attributes.get_int("block_size")):
+            continue
+        idx = list(sp.outputs).index(c)
+        start = int(np.sum(sizes[:idx]))
+        if int(sizes[idx]) != nb.attributes.get_int("N") or int(np.sum(sizes)) != mins.shape[1]:
+            continue
+        return nb, corr, start
+    return None
+
+
+def drop_zero_points(model: ir.Model, levels: tuple[int, ...] = (0, 1)) -> int:
+    """Every exact Q4_1 chain with zero points 0 whose MatMulNBits runs at one of ``levels`` (default: the
+    fp32-activation ones, where this is exact) to the implied zero point 8 (minimums + 8·d); returns how many."""
+    g = model.graph
+    count = 0
+    for add in list(g):
+        chain = _minimum_chain(add)
+        if chain is not None and len(chain[0].inputs) == 4:
+            nb, corr, start = chain[0], chain[3], 0
+        else:
+            hit = _split_slice(add)
+            if hit is None:
+                continue
+            nb, corr, start = hit
+        if nb.attributes.get_int("accuracy_level", 0) not in levels:
+            continue
+        n = nb.attributes.get_int("N")
+        d = _const(nb.inputs[2]).astype(np.float32).reshape(n, -1)
+        shifted = _const(corr.inputs[1]).astype(np.float32).copy()
+        shifted[:, start:start + n] += np.float32(8) * d.T
+        freed = [corr.inputs[1], nb.inputs[3]]
+        corr.replace_input_with(1, _init(g, f"{corr.inputs[1].name or 'mins'}_z8", shifted))
+        nb.resize_inputs(3)
+        _prune(g, freed)
+        count += 1
+    return count

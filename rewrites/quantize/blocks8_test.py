@@ -193,8 +193,8 @@ def test_int4_pass_folds_minimums_and_the_tied_head(tiny_q41_llama):
     res = create("quantize-int4", {"accuracy_levels": "4", "steps": 2, "fold_minimums": "true", "head": "true",
                                    "embedding": "false"})(model, PassContext(budget=parse_budget("ppl_ratio<=1.05")))
     assert res.budget_met, res.notes
-    assert res.rule_counts == {"quantize-int4-exact-blocks": 14, "quantize-int4-fold-minimums-8bit": 14,
-                               "quantize-int4-head-8bit": 1}, res.notes
+    assert res.rule_counts == {"quantize-int4-exact-blocks": 14, "quantize-int4-implied-zero-points": 14,
+                               "quantize-int4-fold-minimums-8bit": 14, "quantize-int4-head-8bit": 1}, res.notes
     ops = _ops(model)
     # 14 projections and the head; the attention's activation MatMuls stay
     assert ops["MatMulNBits"] == 15 and ops["ReduceSum"] == 0 and ops["MatMul"] == matmuls - 15
@@ -208,5 +208,7 @@ def test_int4_pass_keeps_the_chain_with_fold_minimums_false(tiny_q41_llama):
     model = tiny_q41_llama.clone()
     res = create("quantize-int4", {"accuracy_levels": "4", "steps": 2, "fold_minimums": "false", "head": "false",
                                    "embedding": "false"})(model, PassContext(budget=parse_budget("ppl_ratio<=1.05")))
-    assert res.rule_counts == {"quantize-int4-exact-blocks": 14}, res.notes
+    assert res.rule_counts == {"quantize-int4-exact-blocks": 14, "quantize-int4-implied-zero-points": 14}, res.notes
+    # level 4: the chains read with the implied zero point 8
+    assert all(len(n.inputs) == 3 for n in model.graph if n.op_type == "MatMulNBits")
     assert _ops(model)["ReduceSum"] >= 14 and _ops(model)["Transpose"] == _ops(tiny_q41_llama)["Transpose"]

@@ -173,3 +173,68 @@ def test_a_table_tied_to_the_head_stays_float(tiny_llama):
     assert res.budget_met and any("tied LM head" in n for n in res.notes)
     ops = _ops(model)
     assert ops["Gather"] == 1 and ops["GatherBlockQuantized"] == 0 and ops["MatMulNBits"] == 14
+
+
+def _fake_stages(monkeypatch, d4):
+    """Stages that record their tag in the model; a model's "session" is the tuple of tags applied to it."""
+    def stage(tag):
+        def apply(m):
+            m.graph.meta.setdefault("applied", []).append(tag)
+            return {tag: 1}
+        return tag, apply, False
+
+    monkeypatch.setattr(d4.QuantizeInt4Pass, "_session", staticmethod(lambda m: tuple(m.graph.meta.get("applied", []))))
+    monkeypatch.setattr(d4, "Decoder", lambda sess: sess)
+    return stage
+
+
+def test_stages_try_each_combination_not_only_cumulative(monkeypatch):
+    """A later stage that is faster alone is found when an earlier one slows the step (as on a CPU where the
+    8-bit head measured 1.28x and folded minimums 0.87x): the head alone is chosen and applied."""
+    from graphopt.rewrites.quantize import decoder_int4 as d4
+
+    model = ir.Model(ir.Graph([], [], nodes=[], name="g"), ir_version=10)
+    step = {(): 10.0, ("fold",): 12.0, ("head",): 8.0, ("fold", "head"): 9.5}
+
+    stage = _fake_stages(monkeypatch, d4)
+    monkeypatch.setattr(d4.nbits, "step_seconds", lambda decs, steps: [step[d] for d in decs])
+    monkeypatch.setattr(d4, "_text", lambda m: "")
+
+    class Search:
+        notes: list[str] = []
+
+        def note(self, text):
+            self.notes.append(text)
+
+        def evaluate(self, fn):
+            return type("M", (), {"held": "ok"})()
+
+        def meets(self, held):
+            return True
+
+        def verdict(self, m):
+            return "meets"
+
+    counts, held = d4.QuantizeInt4Pass()._stages(model, None, Search(), [stage("fold"), stage("head")])
+    assert counts == {"head": 1} and held == "ok"
+    assert model.graph.meta["applied"] == ["head"]
+    # three combinations were timed: fold, head, fold + head
+    assert "fold 12000.00 ms" in Search.notes[0] and "head 8000.00 ms" in Search.notes[0] \
+        and "fold + head 9500.00 ms" in Search.notes[0]
+
+
+def test_a_stage_labelled_accuracy_level_4_is_in_every_combination(monkeypatch):
+    from graphopt.rewrites.quantize import decoder_int4 as d4
+
+    model = ir.Model(ir.Graph([], [], nodes=[], name="g"), ir_version=10)
+    timed = []
+
+    stage = _fake_stages(monkeypatch, d4)
+    monkeypatch.setattr(d4.nbits, "step_seconds", lambda decs, steps: timed.extend(decs) or [1.0] * len(decs))
+    search = type("S", (), {"note": lambda self, t: None})()
+    counts, held = d4.QuantizeInt4Pass()._stages(model, None, search, [stage("accuracy_level 4"), stage("fold"),
+                                                                       stage("head")])
+    # nothing measured faster: nothing applied
+    assert counts == {} and held is None and "applied" not in model.graph.meta
+    assert sorted(timed[1:]) == sorted([("accuracy_level 4",), ("accuracy_level 4", "fold"),
+                                        ("accuracy_level 4", "head"), ("accuracy_level 4", "fold", "head")])
