@@ -31,7 +31,10 @@ import onnx_ir as ir
 
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
-from graphopt.rewrites.quantize.blocks8 import drop_zero_points
+from graphopt.generate.loop import Decoder
+from graphopt.rewrites.common.decode_timing import step_seconds
+from graphopt.rewrites.common.q41_chain import drop_zero_points
+from graphopt.runtime import session as runtime
 
 #: kept unless the candidate's decode step is slower than this many times the input's
 SLOWER = 1.03
@@ -72,15 +75,11 @@ class ImpliedZeroPointsPass(GraphoptPass):
         return PassResult(model, True, notes=notes, rule_counts={"implied-zero-points": count})
 
     def _timed(self, model: ir.Model, cand: ir.Model) -> tuple[float, float] | None:
-        from graphopt.generate.loop import Decoder
-        from graphopt.rewrites.quantize import nbits
-        from graphopt.runtime import session as runtime
-
         try:
             decs = [Decoder(runtime.make_session(m, threads=1, spinning=False)) for m in (model, cand)]
         except UsageError:  # not a decoder with past: the step cannot be timed
             return None
-        base, new = nbits.step_seconds(decs, steps=self.steps)
+        base, new = step_seconds(decs, steps=self.steps)
         return base, new
 
 

@@ -61,9 +61,10 @@ def test_head_false_keeps_the_float_head_and_says_so():
     assert "still read as float" in res.notes[0]
 
 
-def test_decoder_lowmem_recipe_ends_with_q8_tables():
+def test_decoder_lowmem_recipe_has_q8_tables_after_the_merge():
     from graphopt.engine import recipe
 
     r = recipe.load("decoder-lowmem")
     r.validate() if hasattr(r, "validate") else None
-    assert r.pass_names() == ["cleanup", "fuse", "group-query-attention", "merge-projections", "q8-tables"]
+    assert r.pass_names() == ["cleanup", "fuse", "group-query-attention", "merge-projections", "q8-tables",
+                              "implied-zero-points"]

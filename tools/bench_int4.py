@@ -18,7 +18,7 @@ from pathlib import Path
 
 from graphopt.generate import quality
 from graphopt.generate.loop import Decoder
-from graphopt.rewrites.quantize.nbits import step_seconds
+from graphopt.rewrites.common.decode_timing import step_seconds
 from graphopt.runtime.session import make_session
 
 
