@@ -437,7 +437,17 @@ def test_curl_streams_server_sent_events(server, gqa_dir):
     assert "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1]) == want.text
 
 
-def test_a_client_that_goes_away_frees_its_slot(server):
+def test_a_client_that_goes_away_frees_its_slot(server, monkeypatch):
+    # The tiny model makes 120 tokens in tens of milliseconds, faster than a loaded machine notices the closed
+    # socket: each step is slowed to a real decoder's pace (20 ms) so the disconnect lands mid-request.
+    sched = server.service.engine.scheduler
+    step = sched.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(sched, "step", slow_step)
     before = server.stats()
     stream = server.client.completions.create(model="model", prompt="w5", max_tokens=120, temperature=0,
                                               stream=True, extra_body={"ignore_eos": True})
