@@ -21,10 +21,14 @@ def test_nibble_blocks_dequantize_to_the_q8_0_weights():
     codes = rng.integers(-127, 128, (5, 3, 32)).astype(np.int8)
     codes[0, 0, :2] = [-127, 127]
     scales = rng.uniform(1e-3, 1e-2, (5, 3)).astype(np.float16).astype(np.float32)
-    packed, sc, zp = nibble_blocks(codes, scales)
-    q = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(5, 6, 32).astype(np.float32)
-    z = np.stack([zp & 0xF, zp >> 4], axis=-1).reshape(5, 6).astype(np.float32)
-    w = (sc.reshape(5, 6)[..., None] * (q - z[..., None])).reshape(5, 2, 3, 32).sum(axis=1)  # high + low half
+    (hq, hs), (lq, ls, lz) = nibble_blocks(codes, scales)
+
+    def unpack(p):
+        return np.stack([p & 0xF, p >> 4], axis=-1).reshape(5, 3, 32).astype(np.float32)
+
+    z = np.stack([lz & 0xF, lz >> 4], axis=-1).reshape(5, -1)[:, :3].astype(np.float32)
+    assert not z.any()  # the low half's zero points are 0; the high half has none (ONNX Runtime implies 8)
+    w = hs.reshape(5, 3, 1) * (unpack(hq) - 8) + ls.reshape(5, 3, 1) * (unpack(lq) - z[..., None])
     np.testing.assert_array_equal(w, codes.astype(np.float32) * scales[..., None])
 
 
@@ -34,11 +38,12 @@ def test_q8_0_gather_and_tied_head_read_the_blocks_exactly():
     res = create("q8-tables")(model)
     assert res.rule_counts == {"q8-embedding": 1, "q8-head": 1}
     ops = _ops(model)
-    assert ops["GatherBlockQuantized"] == 1 and ops["MatMulNBits"] == 1
+    assert ops["GatherBlockQuantized"] == 1 and ops["MatMulNBits"] == 2 and ops["Add"] == 1
     assert not ops["Gather"] and not ops["MatMul"] and not ops["Transpose"] and not ops["Cast"]  # no float table
     assert all(i.const_value.dtype != np.float32 or i.const_value.size < V * K for i in model.graph.initializers.values())
-    head = next(n for n in model.graph if n.op_type == "MatMulNBits")
-    assert head.attributes.get_int("accuracy_level") == 1 and head.attributes.get_int("K") == 2 * K
+    heads = [n for n in model.graph if n.op_type == "MatMulNBits"]
+    assert all(h.attributes.get_int("accuracy_level") == 1 and h.attributes.get_int("K") == K for h in heads)
+    assert sorted(len(h.inputs) for h in heads) == [3, 4]  # the high half with the implied zero point
     ids = np.array([[0, 7, V - 1]], np.int64)
     x = rng.standard_normal((1, 3, K)).astype(np.float32)
     emb, logits = make_session(model, optimize=False).run(None, {"ids": ids, "x": x})
@@ -67,4 +72,4 @@ def test_decoder_lowmem_recipe_has_q8_tables_after_the_merge():
     r = recipe.load("decoder-lowmem")
     r.validate() if hasattr(r, "validate") else None
     assert r.pass_names() == ["cleanup", "fuse", "group-query-attention", "merge-projections", "q8-tables",
-                              "implied-zero-points"]
+                              "implied-zero-points", "logits-to-keep"]

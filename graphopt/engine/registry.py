@@ -49,7 +49,7 @@ BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quanti
                                     "prune_heads", "early_exit", "sparsify", "contextual_sparsity", "cut_positions",
                                     "merge_projections", "group_query_attention", "kv_cache_quant",
                                     "decode_sparsity", "speculative_heads", "q8_tables", "layer_skip",
-                                    "implied_zero_points")
+                                    "implied_zero_points", "logits_to_keep")
 
 Feed = Mapping[str, np.ndarray]
 

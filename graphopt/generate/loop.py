@@ -22,7 +22,7 @@ from graphopt.errors import MissingFileError, UsageError
 from graphopt.generate.batch import Batch
 from graphopt.generate.cache import KVCache
 from graphopt.generate.sampling import GREEDY, Sampler, Sampling
-from graphopt.generate.signature import DecoderSignature, last_logits, read_signature
+from graphopt.generate.signature import LOGITS_TO_KEEP, DecoderSignature, last_logits, read_signature
 from graphopt.runtime.session import make_session
 
 #: ``on_token(row, token_id)``: called as each new token is chosen (row: the prompt's index in the batch)
@@ -64,6 +64,7 @@ class Decoder:
         #: more outputs ``step`` fetches (a speculative draft's, e.g. ``medusa_logits``), by name into ``extras``
         self.extra_outputs: tuple[str, ...] = ()
         self.extras: dict[str, np.ndarray] = {}
+        self._keeps: dict[int, object] = {}  # logits_to_keep count -> its OrtValue
 
     def step(self, cache: KVCache, input_ids: np.ndarray, attention_mask: np.ndarray,
              position_ids: np.ndarray | None, *, all_positions: bool = False,
@@ -80,6 +81,17 @@ class Decoder:
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, np.int64))
         if self.sig.has_position_ids:
             b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
+        n = input_ids.shape[1]
+        offset = 0  # positions before the first one the logits cover
+        if self.sig.logits_to_keep:
+            keep = 0 if all_positions else n - int(np.min(rows_last)) if rows_last is not None else 1
+            keep = 0 if keep >= n else keep
+            offset = n - keep if keep else 0
+            if keep not in self._keeps:  # made once per count; alive while the binding may read it
+                import onnxruntime as ort
+
+                self._keeps[keep] = ort.OrtValue.ortvalue_from_numpy(np.array(keep, np.int64))
+            b.bind_ortvalue_input(LOGITS_TO_KEEP, self._keeps[keep])
         b.bind_output("logits")
         for name in self.extra_outputs:
             b.bind_output(name)
@@ -90,7 +102,7 @@ class Decoder:
         self.extras = {name: got[1 + i].numpy() for i, name in enumerate(self.extra_outputs)}
         cache.advance(input_ids.shape[1])
         if rows_last is not None and logits.ndim == 3:
-            return logits[np.arange(logits.shape[0]), rows_last]
+            return logits[np.arange(logits.shape[0]), np.asarray(rows_last) - offset]
         return logits if all_positions else last_logits(logits)
 
 

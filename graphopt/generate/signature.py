@@ -52,6 +52,8 @@ class DecoderSignature:
     max_positions: int | None = None  # the most positions the graph supports, when it says
     #: the cache is held quantized at this many bits (``quant_cache``); ``head_dim`` is then the stored width
     kv_bits: int | None = None
+    #: the graph takes ``logits_to_keep`` (pass ``logits-to-keep``): logits of the last N positions only
+    logits_to_keep: bool = False
 
     @property
     def cache_names(self) -> list[tuple[str, str]]:
@@ -63,6 +65,8 @@ def _dims(arg) -> list:
     return list(arg.shape) if arg.shape is not None else []
 
 
+#: the optional input of pass logits-to-keep: how many last positions get logits (0: all)
+LOGITS_TO_KEEP = "logits_to_keep"
 #: model metadata written by the group-query-attention pass
 KV_CACHE_KEY, MAX_POSITIONS_KEY = "graphopt.kv_cache", "graphopt.max_positions"
 
@@ -71,9 +75,11 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model",
                    metadata: dict[str, str] | None = None) -> DecoderSignature:
     """The DecoderSignature of ``session_or_io`` (an ORT session, or its ``get_inputs()`` with ``outputs``
     and the model's ``metadata``); UsageError in one line when the graph is not a decoder with past."""
+    optional: set[str] = set()  # inputs with a default (initializers a caller may override)
     if outputs is None:
         inputs, outputs = session_or_io.get_inputs(), session_or_io.get_outputs()
         metadata = dict(session_or_io.get_modelmeta().custom_metadata_map)
+        optional = {a.name for a in session_or_io.get_overridable_initializers()}
     else:
         inputs = session_or_io
     metadata = metadata or {}
@@ -94,7 +100,7 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model",
         m = _PAST.match(n)
         if m:
             past[(int(m.group(1)), m.group(2))] = n
-        elif n not in ("input_ids", "attention_mask", "position_ids"):
+        elif n not in ("input_ids", "attention_mask", "position_ids", LOGITS_TO_KEEP):
             raise refuse(f"unexpected input '{n}'")
     if not past:
         raise refuse("no past_key_values.N.key/value inputs")
@@ -136,7 +142,8 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model",
     limit = metadata.get(MAX_POSITIONS_KEY, "")
     return DecoderSignature(layers, tuple(pairs_in), tuple(pairs_out), kv_heads, head_dim, dtype,
                             "position_ids" in ins, all_positions, vocab, shared_buffer=shared,
-                            max_positions=int(limit) if limit.isdigit() else None, kv_bits=quant and quant[0])
+                            max_positions=int(limit) if limit.isdigit() else None, kv_bits=quant and quant[0],
+                            logits_to_keep=LOGITS_TO_KEEP in ins or LOGITS_TO_KEEP in optional)
 
 
 def last_logits(logits: np.ndarray) -> np.ndarray:

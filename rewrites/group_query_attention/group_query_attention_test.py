@@ -58,7 +58,7 @@ def test_decoder_recipe_is_the_default_and_rewrites_every_layer(llama):
     assert result.report.recipe == "decoder" and result.ok
     statuses = {p.name: p.status for p in result.report.passes}
     assert statuses == {"cleanup": "ok", "fuse": "ok", "group-query-attention": "ok", "merge-projections": "ok",
-                        "implied-zero-points": "ok"}, statuses
+                        "implied-zero-points": "ok", "logits-to-keep": "ok"}, statuses
     ops = _ops(result.model)
     assert ops[f"{MS}::GroupQueryAttention"] == 2
     for gone in (f"{MS}::MultiHeadAttention", f"{MS}::RotaryEmbedding", "Expand", "Concat"):
