@@ -84,3 +84,29 @@ def test_decoder_recipe_reads_the_chains_with_implied_zero_points(exported, run_
     ref = generate(str(exported), prompt, max_new_tokens=12).token_ids
     got = generate(str(out), prompt, max_new_tokens=12).token_ids
     assert got == ref
+
+
+def test_int4_recipe_reads_the_q8_embedding_from_its_blocks(exported, run_cli, tmp_path):
+    """The int4 recipe on the GGUF export: the embedding Gather becomes 8-bit GatherBlockQuantized (no float copy
+    of the Q8_0 table is left), the prefill can ask for the last position's logits, and the tokens still come."""
+    from graphopt.generate.loop import generate
+    from graphopt.generate.signature import LOGITS_TO_KEEP
+
+    out = tmp_path / "int4.onnx"
+    code, stdout, err = run_cli("optimize", exported, "-o", out, "--recipe", "int4", "--set",
+                                "quantize-int4.steps=2", "--set", "implied-zero-points.measure=false")
+    assert code == 0, err
+    assert "q8-embedding×1" in stdout and "logits-to-keep×1" in stdout, stdout
+    model = ir.load(out)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    gbq = [n for n in model.graph if n.op_type == "GatherBlockQuantized"]
+    assert len(gbq) == 1 and gbq[0].attributes.get_int("bits") == 8 and not ops["Gather"], ops
+    vocab = next(v.shape[-1] for v in model.graph.outputs if v.name == "logits")
+    hidden = gbq[0].outputs[0].shape[-1]
+    floats = [v.name for v in model.graph.initializers.values() if v.const_value is not None
+              and v.const_value.dtype == ir.DataType.FLOAT
+              and sorted(v.const_value.shape) == sorted([vocab, hidden])]
+    assert not floats, floats  # no float copy of the table
+    assert LOGITS_TO_KEEP in model.graph.initializers
+    got = generate(str(out), [1, 5, 9, 3, 7, 2, 11, 4], max_new_tokens=12)
+    assert len(got.token_ids) == 12
