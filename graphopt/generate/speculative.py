@@ -210,8 +210,9 @@ def speculative_generate(
 
     t0 = time.perf_counter()
     n = len(prompt)
+    # the prefill: the last position's logits only (a graph with logits_to_keep runs its head on that one)
     logits = dec.step(cache, np.asarray([prompt], np.int64), np.ones((1, n), np.int64),
-                      np.arange(n, dtype=np.int64)[None], all_positions=True)[0, -1:]
+                      np.arange(n, dtype=np.int64)[None])
     first = sampler(logits).tolist()
     t_first = t_last = time.perf_counter()
     done = emit(first)
