@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.generate import quality
     from graphopt.generate.loop import open_decoder
     from graphopt.rewrites import decode_sparsity as ds
-    from graphopt.rewrites.decode_sparsity import speed
+    from graphopt.rewrites.common.decode_timing import step_seconds
     from graphopt.runtime.session import make_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(g == r for g, r in zip(got, ref_tok))
         rows[k] = (ppl, quality.common_prefix_fraction(got, ref_tok, a.new), same, oracle_ppl)
         del sim
-    secs = speed.decode_step_seconds([base] + [reals[k] for k in levels], steps=a.steps, rounds=a.rounds)
+    secs = step_seconds([base] + [reals[k] for k in levels], steps=a.steps, rounds=a.rounds)
     print(f"without sparsity: decode step {1e3 * secs[0]:.2f} ms ({1 / secs[0]:.1f} tok/s), ppl {ref_ppl:.3f}")
     print("| keep | decode step ms | tok/s | vs without | ppl | ppl ratio | greedy prefix | identical prompts "
           "| ppl ratio, oracle groups |")

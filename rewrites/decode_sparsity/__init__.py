@@ -41,7 +41,8 @@ from graphopt.generate import quality
 from graphopt.generate.loop import open_decoder
 from graphopt.rewrites.common import activations, lossy
 from graphopt.rewrites.common import gated_ffn as gffn
-from graphopt.rewrites.decode_sparsity import build, speed
+from graphopt.rewrites.common.decode_timing import step_seconds
+from graphopt.rewrites.decode_sparsity import build
 from graphopt.rewrites.decode_sparsity import groups as grouping
 from graphopt.runtime import session as runtime
 
@@ -156,7 +157,7 @@ class _Run:
         """Speed-up of each keep set's decode step over the input's (round-robin)."""
         decs = [open_decoder(_session(self.model), threads=1)] + [
             open_decoder(_session(self.candidate(k)), threads=1) for k in keep_sets]
-        secs = speed.decode_step_seconds(decs, steps=self.opts.steps)
+        secs = step_seconds(decs, steps=self.opts.steps)
         self.base_ms = 1e3 * secs[0]
         return [secs[0] / t for t in secs[1:]]
 
