@@ -16,6 +16,14 @@ def _only_use(v: ir.Value, node: ir.Node) -> bool:
     return not v.is_graph_output() and all(u.node is node for u in v.uses())
 
 
+def _block_sums_of(corr: ir.Node) -> ir.Value | None:
+    """``x`` of a correction ``MatMul(ReduceSum(Reshape(x)), m)``, or None."""
+    rs = corr.inputs[0].producer() if corr.inputs[0] is not None else None
+    rh = rs.inputs[0].producer() if rs is not None and rs.op_type == "ReduceSum" and rs.inputs[0] is not None \
+        else None
+    return rh.inputs[0] if rh is not None and rh.op_type == "Reshape" else None
+
+
 def minimum_chain(add: ir.Node):
     """(MatMulNBits, Reshape, ReduceSum, MatMul) of ``Add(MatMulNBits(x, q, d, 0), ReduceSum(Reshape(x)) @ m)``
     or of the implied-zero-point form ``Add(MatMulNBits(x, q, d), ReduceSum(Reshape(x)) @ (m + 8·d))``
@@ -32,11 +40,10 @@ def minimum_chain(add: ir.Node):
             continue
         if not (_only_use(a, add) and _only_use(c, add)) or _const(corr.inputs[1]) is None:
             continue
-        rs = corr.inputs[0].producer() if corr.inputs[0] is not None else None
-        rh = rs.inputs[0].producer() if rs is not None and rs.op_type == "ReduceSum" and rs.inputs[0] is not None \
-            else None
-        if rh is None or rh.op_type != "Reshape" or rh.inputs[0] is not ins[0]:
+        if _block_sums_of(corr) is not ins[0]:
             continue
+        rs = corr.inputs[0].producer()
+        rh = rs.inputs[0].producer()
         n, bs = nb.attributes.get_int("N"), nb.attributes.get_int("block_size")
         mins = _const(corr.inputs[1])
         if mins.shape != (-(-nb.attributes.get_int("K") // bs), n) or (len(ins) == 4 and np.any(_const(ins[3]))):
@@ -61,10 +68,7 @@ def _split_slice(add: ir.Node):
         corr = sp.inputs[0].producer() if sp.inputs[0] is not None else None
         if corr is None or corr.op_type != "MatMul" or _const(corr.inputs[1]) is None or len(corr.outputs[0].uses()) != 1:
             continue
-        rs = corr.inputs[0].producer() if corr.inputs[0] is not None else None
-        rh = rs.inputs[0].producer() if rs is not None and rs.op_type == "ReduceSum" and rs.inputs[0] is not None \
-            else None
-        if rh is None or rh.op_type != "Reshape" or rh.inputs[0] is not nb.inputs[0]:
+        if _block_sums_of(corr) is not nb.inputs[0]:
             continue
         sizes = _const(sp.inputs[1]) if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
         mins = _const(corr.inputs[1])

@@ -22,7 +22,7 @@ Runtime 1.32's 8-bit kernel at level 1 measured ~30x slower than the fp32 MatMul
    exact again for a dequantized Q8_0 table). The embedding ``Gather`` keeps reading the float table. 113 MB of
    fp32 read per token become 28 MB.
 
-3. :func:`drop_zero_points`: the exact chain read with ONNX Runtime's implied zero point 8 instead of zero points 0,
+3. ``rewrites.common.q41_chain.drop_zero_points``: the exact chain read with ONNX Runtime's implied zero point 8 instead of zero points 0,
    the minimums shifted by ``8·d`` (``d·q + m = d·(q - 8) + (m + 8d)``): exact with fp32 activations (the
    ``implied-zero-points`` pass); at ``accuracy_level`` 4 it is the more accurate form (the int8 activations
    multiply the centred ``q - 8``, the ``8d`` part is summed in fp32), so ``quantize-int4`` uses it there.
@@ -43,7 +43,7 @@ from graphopt.rewrites.common.q8_table import add_initializer as _init
 from graphopt.rewrites.common.q8_table import const as _const
 from graphopt.rewrites.common.q8_table import prune_unread as _prune
 from graphopt.rewrites.common.q8_table import q8_codes as _q8_codes
-from graphopt.rewrites.common.q41_chain import _only_use, drop_zero_points  # noqa: F401  (re-exported)
+from graphopt.rewrites.common.q41_chain import _only_use
 from graphopt.rewrites.common.q41_chain import minimum_chain as _minimum_chain
 
 

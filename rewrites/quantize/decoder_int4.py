@@ -54,7 +54,8 @@ from graphopt.errors import UsageError
 from graphopt.generate import quality
 from graphopt.generate.loop import Decoder
 from graphopt.opsets import MS_DOMAIN
-from graphopt.rewrites.common import activations, lossy
+from graphopt.rewrites.common import activations, decode_timing, lossy
+from graphopt.rewrites.common.q41_chain import drop_zero_points
 from graphopt.rewrites.quantize import blocks8, nbits
 from graphopt.runtime import session as runtime
 
@@ -186,13 +187,13 @@ class QuantizeInt4Pass(GraphoptPass):
             cand = model.clone()
             _rewrite(cand, kernel, set(names), set(emb_names), quant)
             if kernel[1] == 4:
-                blocks8.drop_zero_points(cand, levels=(4,))
+                drop_zero_points(cand, levels=(4,))
             return cand
 
         kernels = [(b, a) for b in block_sizes for a in self.accuracy_levels]
         cands = {k: self._session(build(k, body)) for k in kernels}
         base = self._session(model)
-        secs = nbits.step_seconds([Decoder(base)] + [Decoder(cands[k]) for k in kernels], steps=self.steps)
+        secs = decode_timing.step_seconds([Decoder(base)] + [Decoder(cands[k]) for k in kernels], steps=self.steps)
         speed = dict(zip(kernels, secs[1:]))
         s.note("decode step, 1 thread (median, round-robin): input " + f"{1e3 * secs[0]:.2f} ms; "
                + ", ".join(f"block {b} level {a} {1e3 * t:.2f} ms ({secs[0] / t:.2f}x)" for (b, a), t in speed.items()))
@@ -223,7 +224,7 @@ class QuantizeInt4Pass(GraphoptPass):
             if ok:
                 names, emb_names, held = trial[0], trial[1], m.held
         counts = _rewrite(model, chosen, set(names), set(emb_names), quant)
-        if chosen[1] == 4 and (z := blocks8.drop_zero_points(model, levels=(4,))):
+        if chosen[1] == 4 and (z := drop_zero_points(model, levels=(4,))):
             counts["quantize-int4-implied-zero-points"] = z
         scheme = "GPTQ, symmetric" if xtx else f"RTN, {'symmetric' if self.symmetric else 'zero points'}"
         if exact:
@@ -305,7 +306,7 @@ class QuantizeInt4Pass(GraphoptPass):
             return {}, None
         ref = self._session(model)
         sessions = [self._session(c[1]) for c in cands]
-        secs = nbits.step_seconds([Decoder(ref)] + [Decoder(x) for x in sessions], steps=self.steps)
+        secs = decode_timing.step_seconds([Decoder(ref)] + [Decoder(x) for x in sessions], steps=self.steps)
         del ref
         s.note("decode step, 1 thread: as it is " + f"{1e3 * secs[0]:.2f} ms; " + "; ".join(
             f"{c[0]} {1e3 * t:.2f} ms ({secs[0] / t:.2f}x)" for c, t in zip(cands, secs[1:])))
@@ -383,7 +384,7 @@ def _level4(model: ir.Model) -> dict[str, int]:
     the int8 activations then multiply the centred ``q - 8`` and the ``8d`` part of each weight is summed in fp32
     (SmolLM2, held-out text: perplexity 15.37 against 15.42 with zero points 0; the exact model's is 15.25)."""
     counts = {"quantize-int4-accuracy-level-4": _set_level(model, 4)}
-    if z := blocks8.drop_zero_points(model, levels=(4,)):
+    if z := drop_zero_points(model, levels=(4,)):
         counts["quantize-int4-implied-zero-points"] = z
     return counts
 

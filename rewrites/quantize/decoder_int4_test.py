@@ -197,7 +197,7 @@ def test_stages_try_each_combination_not_only_cumulative(monkeypatch):
     step = {(): 10.0, ("fold",): 12.0, ("head",): 8.0, ("fold", "head"): 9.5}
 
     stage = _fake_stages(monkeypatch, d4)
-    monkeypatch.setattr(d4.nbits, "step_seconds", lambda decs, steps: [step[d] for d in decs])
+    monkeypatch.setattr(d4.decode_timing, "step_seconds", lambda decs, steps: [step[d] for d in decs])
     monkeypatch.setattr(d4, "_text", lambda m: "")
 
     class Search:
@@ -230,7 +230,7 @@ def test_a_stage_labelled_accuracy_level_4_is_in_every_combination(monkeypatch):
     timed = []
 
     stage = _fake_stages(monkeypatch, d4)
-    monkeypatch.setattr(d4.nbits, "step_seconds", lambda decs, steps: timed.extend(decs) or [1.0] * len(decs))
+    monkeypatch.setattr(d4.decode_timing, "step_seconds", lambda decs, steps: timed.extend(decs) or [1.0] * len(decs))
     search = type("S", (), {"note": lambda self, t: None})()
     counts, held = d4.QuantizeInt4Pass()._stages(model, None, search, [stage("accuracy_level 4"), stage("fold"),
                                                                        stage("head")])

@@ -15,7 +15,6 @@ import dataclasses
 
 import numpy as np
 
-from graphopt.rewrites.common.decode_timing import step_seconds  # noqa: F401  (re-exported)
 from graphopt.rewrites.quantize.int4 import gptq_int4, pack_int4
 
 
