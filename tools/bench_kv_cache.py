@@ -59,7 +59,7 @@ def _prefill(dec, cache, ids: np.ndarray, chunk: int, score: bool) -> float:
 
 
 def perplexity(dec, ids: list[int], context: int, windows: int, chunk: int) -> float:
-    from graphopt.generate.cache import KVCache
+    from graphopt.generate.cache import new_cache as KVCache
 
     total, count = 0.0, 0
     cache = KVCache(dec.sig, 1, context)
@@ -78,7 +78,7 @@ def perplexity(dec, ids: list[int], context: int, windows: int, chunk: int) -> f
 def probe(req: dict) -> dict:
     """One model at one batch size, in this (fresh) process."""
     from graphopt.bench.rss_probe import peak_rss_mb
-    from graphopt.generate.cache import KVCache
+    from graphopt.generate.cache import new_cache as KVCache
     from graphopt.generate.loop import open_decoder
 
     dec = open_decoder(req["model"], threads=req["threads"])
@@ -87,7 +87,9 @@ def probe(req: dict) -> dict:
     plen = context - new
     cache = KVCache(dec.sig, batch, context)
     t0 = time.perf_counter()
-    if req.get("fill") == "random":  # the decode phase at that context: the cache filled, no prefill run
+    if req.get("fill") == "random" and hasattr(cache, "fill_random"):  # a KIVI-form cache
+        cache.fill_random(plen, np.random.default_rng(0))
+    elif req.get("fill") == "random":  # the decode phase at that context: the cache filled, no prefill run
         rng = np.random.default_rng(0)
         cache.length = plen
         for past in cache.past().values():
@@ -95,6 +97,8 @@ def probe(req: dict) -> dict:
                 past[...] = rng.standard_normal(past.shape, np.float32).astype(past.dtype)
             else:
                 past[...] = rng.integers(0, 256, past.shape, np.uint8).view(past.dtype)
+    elif dec.sig.kivi is not None:
+        raise SystemExit("a KIVI-form cache is measured with --fill random")
     else:
         row = KVCache(dec.sig, 1, context)
         for r in range(batch):
@@ -116,7 +120,8 @@ def probe(req: dict) -> dict:
         if k == 0:
             t0 = time.perf_counter()  # the first step warms up
     decode_s = time.perf_counter() - t0
-    held = sum(v.nbytes for v in cache.past().values()) / 2**20
+    held = (cache.held_bytes() if hasattr(cache, "held_bytes") else
+            sum(v.nbytes for v in cache.past().values())) / 2**20
     return {"batch": batch, "peak_rss_mb": round(peak_rss_mb(), 1), "rss_loaded_mb": round(loaded, 1),
             "rss_end_mb": round(_rss_mb(), 1), "cache_mb": round(held, 1),
             "decode_tokens_per_s": round(batch * (new - 1) / decode_s, 2), "prefill_s": round(prefill_s, 2)}
@@ -130,9 +135,12 @@ def _rss_mb() -> float:
 
 def _held_bytes_per_token(sig, length: int = 64) -> float:
     """Bytes per position per row of the cache buffers the runtime allocates for ``sig``."""
-    from graphopt.generate.cache import KVCache
+    from graphopt.generate.cache import new_cache as KVCache
 
     c = KVCache(sig, 1, length)
+    if hasattr(c, "fill_random"):  # a KIVI-form cache: what it holds at that many positions
+        c.fill_random(length, np.random.default_rng(0))
+        return c.held_bytes() / length
     c.length = length
     return sum(v.nbytes for v in c.past().values()) / length
 
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in a.models:
         dec = open_decoder(m, threads=a.threads)
-        r = {"model": m, "kv_bytes_per_token": _held_bytes_per_token(dec.sig), "kv_bits": dec.sig.kv_bits,
+        r = {"model": m, "kv_bytes_per_token": _held_bytes_per_token(dec.sig, a.context if dec.sig.kivi else 64),
+             "kv_bits": dec.sig.kv_bits, "kivi": dec.sig.kivi and dec.sig.kivi.dumps(),
              "context": a.context}
         if not a.skip_ppl:
             t0 = time.perf_counter()

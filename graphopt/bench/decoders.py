@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from graphopt.errors import UsageError
-from graphopt.generate.cache import KVCache
+from graphopt.generate.cache import new_cache
 from graphopt.generate.loop import Decoder, generate
 from graphopt.generate.sampling import GREEDY
 from graphopt.generate.speculative import speculative_generate
@@ -97,7 +97,7 @@ class GraphoptVariant(Variant):
 
     def window_logits(self, ids: Sequence[int]) -> np.ndarray:
         dec, n = self.decoder, len(ids)
-        cache = KVCache(dec.sig, 1, n)
+        cache = new_cache(dec.sig, 1, n)
         arr = np.asarray([ids], np.int64)
         pos = np.arange(n, dtype=np.int64)[None]
         if dec.sig.logits_all_positions:

@@ -47,7 +47,7 @@ from graphopt.errors import GraphoptError, PassError, UsageError, first_line
 #: the modules of ``graphopt.rewrites`` that define the builtin passes (one ``register`` call each)
 BUILTIN_MODULES: tuple[str, ...] = ("cleanup", "fuse", "remove_padding", "quantize", "convert_precision",
                                     "prune_heads", "early_exit", "sparsify", "contextual_sparsity", "cut_positions",
-                                    "merge_projections", "group_query_attention", "kv_cache_quant",
+                                    "merge_projections", "group_query_attention", "kv_cache_quant", "kivi_cache",
                                     "decode_sparsity", "speculative_heads", "q8_tables", "layer_skip",
                                     "implied_zero_points", "logits_to_keep")
 

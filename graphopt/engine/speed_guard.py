@@ -114,7 +114,8 @@ class Runners:
     def get(self, model: ir.Model):
         key = id(model)
         if key not in self._by_id:
-            run = _runner(_session(model), quant_cache.quantized_feeds(model, self.feeds))
+            sess = _session(model)
+            run = _runner(sess, quant_cache.quantized_feeds(model, self.feeds, sess))
             run()  # warm up: first runs allocate
             self._by_id[key] = (model, run)
         return self._by_id[key][1]

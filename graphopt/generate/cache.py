@@ -33,6 +33,16 @@ from graphopt.errors import UsageError
 from graphopt.generate.signature import DecoderSignature
 
 
+def new_cache(sig: DecoderSignature, batch: int, max_length: int):
+    """The cache a graph of signature ``sig`` takes: a ``KVCache``, or a ``kivi.KiviCache`` for a KIVI-form
+    graph (pass ``kivi-kv-cache``)."""
+    if sig.kivi is not None:
+        from graphopt.generate.kivi import KiviCache
+
+        return KiviCache(sig, batch, max_length)
+    return KVCache(sig, batch, max_length)
+
+
 class KVCache:
     """Past keys and values of ``batch`` rows, up to ``max_length`` positions."""
 

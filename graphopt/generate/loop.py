@@ -20,7 +20,7 @@ import numpy as np
 
 from graphopt.errors import MissingFileError, UsageError
 from graphopt.generate.batch import Batch
-from graphopt.generate.cache import KVCache
+from graphopt.generate.cache import KVCache, new_cache
 from graphopt.generate.sampling import GREEDY, Sampler, Sampling
 from graphopt.generate.signature import LOGITS_TO_KEEP, DecoderSignature, last_logits, read_signature
 from graphopt.runtime.session import make_session
@@ -182,7 +182,9 @@ def generate(
     clock = _Clock()
     # GroupQueryAttention graphs: one right-padded batch, rows of any length (batch.py)
     right = dec.sig.shared_buffer and dec.sig.logits_all_positions
-    for group in batch.groups(dec.sig.has_position_ids or right):
+    # a KIVI-form cache quantizes by position (sink, key groups): padding would shift them, so rows of one
+    # length run together
+    for group in batch.groups((dec.sig.has_position_ids and dec.sig.kivi is None) or right):
         _run_group(dec, batch.select(group), group, max_new_tokens, sampler, stops, on_token,
                    rows, finish, clock, right=right)
     rate = clock.decode_tokens / clock.decode_s if clock.decode_tokens and clock.decode_s > 0 else None
@@ -195,7 +197,7 @@ def _run_group(dec: Decoder, batch: Batch, index: list[int], max_new: int,
     """Prefill and decode one group of rows (``index``: their places in the caller's batch; ``right``:
     right-padded rows, each read at its own last position)."""
     capacity = max(batch.width + max_new - 1, 1)  # the last new token is never fed back
-    cache = KVCache(dec.sig, batch.size, capacity)
+    cache = new_cache(dec.sig, batch.size, capacity)
     mask = batch.attention_mask(right)
     positions = batch.position_ids()
     last = batch.lengths - 1 if right else None

@@ -30,7 +30,7 @@ import numpy as np
 from graphopt.data import heldout
 from graphopt.errors import UsageError
 from graphopt.generate import chat
-from graphopt.generate.cache import KVCache
+from graphopt.generate.cache import new_cache
 from graphopt.generate.loop import Decoder, generate, open_decoder
 
 CALIB, HELD = "calib", "held"
@@ -117,7 +117,7 @@ def perplexity(decoder: Decoder, windows: Sequence[Sequence[int]]) -> float:
     for w in windows:
         ids = np.asarray(w, np.int64)[None, :]
         n = ids.shape[1]
-        cache = KVCache(decoder.sig, 1, n)
+        cache = new_cache(decoder.sig, 1, n)
         pos = np.arange(n, dtype=np.int64)[None, :]
         if decoder.sig.logits_all_positions:
             logits = decoder.step(cache, ids, np.ones((1, n), np.int64), pos, all_positions=True)[0]

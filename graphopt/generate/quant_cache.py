@@ -81,13 +81,11 @@ def dequantize(q: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
     return vals.astype(np.float32) * scale
 
 
-class FloatIO:
-    """A session of a quantized-cache graph seen with float past and present tensors: ``run`` quantizes the
-    float past feeds with the graph's scales and dequantizes the presents (for verification feeds and
-    references made for the float graph). ``scales``: past input name -> its scale array."""
+class SessionView:
+    """A session's inputs and outputs, seen through an adapter whose ``run`` translates the feeds."""
 
-    def __init__(self, session, bits: int, scales: dict[str, np.ndarray], presents: dict[str, str]):
-        self._s, self.bits, self._scales, self._presents = session, bits, scales, presents
+    def __init__(self, session):
+        self._s = session
 
     def get_inputs(self):
         return self._s.get_inputs()
@@ -97,6 +95,16 @@ class FloatIO:
 
     def get_overridable_initializers(self):
         return self._s.get_overridable_initializers()
+
+
+class FloatIO(SessionView):
+    """A session of a quantized-cache graph seen with float past and present tensors: ``run`` quantizes the
+    float past feeds with the graph's scales and dequantizes the presents (for verification feeds and
+    references made for the float graph). ``scales``: past input name -> its scale array."""
+
+    def __init__(self, session, bits: int, scales: dict[str, np.ndarray], presents: dict[str, str]):
+        super().__init__(session)
+        self.bits, self._scales, self._presents = bits, scales, presents
 
     def run(self, names, feed, *args):
         fed = {k: quantize(v, self._scales[k], self.bits) if k in self._scales and v.dtype.kind == "f" else v
@@ -132,15 +140,24 @@ def graph_scales(model) -> tuple[int, dict[str, np.ndarray]] | None:
 
 def float_io(session, model) -> object:
     """``session`` itself, or a :class:`FloatIO` over it when ``model`` holds its KV cache quantized."""
+    meta = session.get_modelmeta().custom_metadata_map if hasattr(session, "get_modelmeta") else {}
+    if meta.get("graphopt.kv_cache") == "kivi":  # a KIVI-form cache (graphopt.generate.kivi)
+        from graphopt.generate.kivi import KiviIO
+        from graphopt.generate.signature import read_signature
+
+        return KiviIO(session, read_signature(session))
     found = graph_scales(model)
     if found is None:
         return session
     return FloatIO(session, found[0], found[1], _presents(found[1]))
 
 
-def quantized_feeds(model, feeds):
+def quantized_feeds(model, feeds, session=None):
     """``feeds`` made for the float graph, their float past quantized when ``model`` holds its cache quantized
-    (once, e.g. before timing runs)."""
+    (once, e.g. before timing runs); a KIVI-form graph needs its ``session``."""
+    io = float_io(session, model) if session is not None else None
+    if io is not None and hasattr(io, "prepare"):
+        return [io.prepare(f)[0] for f in feeds]
     found = graph_scales(model)
     if found is None:
         return feeds

@@ -163,6 +163,9 @@ class Scheduler:
     def __init__(self, decoder: Decoder, *, slots: int = 8, context: int = 2048, pad_id: int = 0,
                  prefill_tokens: int = 512, pad_waste: float = PAD_WASTE, prefix_cache: int = PREFIX_ENTRIES):
         sig = decoder.sig
+        if sig.kivi is not None:
+            raise UsageError("continuous batching keeps one request per row of a shared buffer; a KIVI-form KV "
+                             "cache has none", hint="serve the graph before kivi-kv-cache")
         if slots < 1 or context < 2:
             raise UsageError(f"continuous batching needs slots >= 1 and context >= 2 (got {slots}, {context})")
         if sig.max_positions is not None and context > sig.max_positions:

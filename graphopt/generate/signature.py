@@ -26,10 +26,12 @@ import re
 import numpy as np
 
 from graphopt.errors import UsageError
+from graphopt.generate import kivi as kivi_form
 from graphopt.generate import quant_cache
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
+_KIVI_PART = re.compile(r"^past_key_values\.\d+\.(key|value)\.(codes\d|scale|min)$")
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
            "tensor(bfloat16)": None}
 
@@ -54,6 +56,8 @@ class DecoderSignature:
     kv_bits: int | None = None
     #: the graph takes ``logits_to_keep`` (pass ``logits-to-keep``): logits of the last N positions only
     logits_to_keep: bool = False
+    #: the cache is in KIVI form (pass ``kivi-kv-cache``, ``graphopt.generate.kivi``): its format
+    kivi: kivi_form.KiviFormat | None = None
 
     @property
     def cache_names(self) -> list[tuple[str, str]]:
@@ -95,11 +99,19 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model",
             raise refuse(f"no '{req}' input (inputs: {', '.join(ins) or 'none'})")
     if "logits" not in outs:
         raise refuse(f"no 'logits' output (outputs: {', '.join(outs) or 'none'})")
+    kivi = None
+    if metadata.get(KV_CACHE_KEY) == kivi_form.FORM:
+        try:
+            kivi = kivi_form.KiviFormat.loads(metadata.get(kivi_form.KIVI_KEY, "{}"))
+        except (ValueError, UsageError) as e:
+            raise refuse(str(e)) from None
     past: dict[tuple[int, str], str] = {}
     for n in ins:
         m = _PAST.match(n)
         if m:
             past[(int(m.group(1)), m.group(2))] = n
+        elif kivi is not None and _KIVI_PART.match(n):
+            continue
         elif n not in ("input_ids", "attention_mask", "position_ids", LOGITS_TO_KEEP):
             raise refuse(f"unexpected input '{n}'")
     if not past:
@@ -115,7 +127,8 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model",
                 raise refuse(f"input 'past_key_values.{i}.{kind}' has no output 'present.{i}.{kind}'")
         pairs_in.append((past[(i, "key")], past[(i, "value")]))
         pairs_out.append((present[(i, "key")], present[(i, "value")]))
-    shapes = {tuple(_dims(ins[n])[i] for i in (1, 3)) if len(_dims(ins[n])) == 4 else None for n in past.values()}
+    axes = (2, 3) if kivi is not None else (1, 3)  # a KIVI cache is position-major
+    shapes = {tuple(_dims(ins[n])[i] for i in axes) if len(_dims(ins[n])) == 4 else None for n in past.values()}
     if len(shapes) != 1 or None in shapes:
         raise refuse(f"past tensors are not all [batch, kv_heads, past_sequence, head_dim] alike ({sorted(map(str, shapes))})")
     kv_heads, head_dim = next(iter(shapes))
@@ -143,7 +156,7 @@ def read_signature(session_or_io, outputs=None, *, name: str = "model",
     return DecoderSignature(layers, tuple(pairs_in), tuple(pairs_out), kv_heads, head_dim, dtype,
                             "position_ids" in ins, all_positions, vocab, shared_buffer=shared,
                             max_positions=int(limit) if limit.isdigit() else None, kv_bits=quant and quant[0],
-                            logits_to_keep=LOGITS_TO_KEEP in ins or LOGITS_TO_KEEP in optional)
+                            logits_to_keep=LOGITS_TO_KEEP in ins or LOGITS_TO_KEEP in optional, kivi=kivi)
 
 
 def last_logits(logits: np.ndarray) -> np.ndarray:

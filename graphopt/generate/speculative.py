@@ -175,6 +175,9 @@ def speculative_generate(
         raise UsageError("speculative decoding checks drafts with the logits of every position; this graph returns "
                          "the last position's only", hint="use a graph with logits [batch, sequence, vocab], or "
                          "--speculative off")
+    if dec.sig.kivi is not None:
+        raise UsageError("speculative decoding rolls the KV cache back; a KIVI-form cache quantizes keys in groups "
+                         "and is not rolled back", hint="use --speculative off with this graph")
     max_new_tokens = check_prompt(dec, [prompt], len(prompt), max_new_tokens, max_length)
     src.reset()
     sampler = Sampler(sampling)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from graphopt.generate.cache import KVCache
+from graphopt.generate.cache import new_cache
 from graphopt.generate.loop import Decoder
 
 
@@ -20,7 +20,7 @@ def step_seconds(decoders: Sequence[Decoder], *, prompt: int = 16, steps: int = 
     ids = (np.arange(prompt, dtype=np.int64) % 97 + 3)[None, :]
     for _ in range(rounds):
         for j, dec in enumerate(decoders):
-            cache = KVCache(dec.sig, 1, prompt + steps)
+            cache = new_cache(dec.sig, 1, prompt + steps)
             mask = np.ones((1, prompt), np.int64)
             pos = np.arange(prompt, dtype=np.int64)[None, :]
             logits = dec.step(cache, ids, mask, pos)

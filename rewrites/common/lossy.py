@@ -193,6 +193,17 @@ class BudgetSearch:
                           budget_outcome=self.outcome(held, met))
 
 
+def decoder_text(m: Measured) -> str:
+    """``calibration: ppl A / B = r, greedy g; held-back: ...`` of a decoder candidate's measurement."""
+    parts = []
+    for label, c in (("calibration", m.calib), ("held-back", m.held)):
+        if c is not None:
+            d = c.decoder
+            parts.append(f"{label}: ppl {d['ppl']:.3f} / {d['ppl_reference']:.3f} = {d['ppl_ratio']:.4f}, "
+                         f"greedy {d['greedy_match']:.3f}")
+    return "; ".join(parts)
+
+
 def first_passing(n: int, ok: Callable[[int], bool]) -> int | None:
     """Binary search for the first index in ``range(n)`` where ``ok`` holds (monotone assumption)."""
     lo, hi = 0, n

@@ -45,9 +45,9 @@ from graphopt.generate import quality
 from graphopt.generate.cache import KVCache
 from graphopt.generate.loop import Decoder
 from graphopt.generate.quant_cache import KV_QUANT_KEY, bytes_per_token, scale_name, stored_width
-from graphopt.generate.signature import KV_CACHE_KEY
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites.common import lossy
+from graphopt.rewrites.common.gqa_cache import cache_attention_nodes
 from graphopt.runtime import session as runtime
 
 from .calibrate import channel_scales, key_samples
@@ -58,23 +58,11 @@ _NAMES = {8: "int8", 4: "int4"}
 
 def _attention_nodes(model: ir.Model) -> tuple[list[ir.Node], str | None]:
     """The GroupQueryAttention nodes whose past are graph inputs, or the reason to refuse."""
-    if model.metadata_props.get(KV_CACHE_KEY) != "shared-buffer":
-        return [], "not a shared-buffer GroupQueryAttention decoder (run group-query-attention first)"
-    if KV_QUANT_KEY in model.metadata_props:
-        return [], f"the KV cache is already quantized ({model.metadata_props[KV_QUANT_KEY]})"
-    inputs = set(model.graph.inputs)
-    nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN]
-    if not nodes:
-        return [], "no GroupQueryAttention"
+    nodes, why = cache_attention_nodes(model, _FLOATS)
     for n in nodes:
-        past = n.inputs[3:5]
-        if len(past) < 2 or any(p is None or p not in inputs for p in past):
-            return [], f"GroupQueryAttention {n.name!r}: past_key / past_value are not graph inputs"
-        if any(p.dtype not in _FLOATS for p in past):
-            return [], f"GroupQueryAttention {n.name!r}: past is {past[0].dtype}, not float / float16"
         if len(n.inputs) > 12 and any(v is not None for v in n.inputs[12:]):
             return [], f"GroupQueryAttention {n.name!r} already has k_scale / v_scale"
-    return nodes, None
+    return nodes, why
 
 
 class QuantizeKVCachePass(GraphoptPass):
@@ -145,7 +133,7 @@ class QuantizeKVCachePass(GraphoptPass):
             del sess
             per_token = bytes_per_token(layers, kv_heads, stored_width(head_dim, bits), 1)
             s.note(f"{bits} bits ({per_token} bytes/token, {fp / per_token:.1f}x less than float16): "
-                   f"{_text(m)}; {s.verdict(m)}")
+                   f"{lossy.decoder_text(m)}; {s.verdict(m)}")
             if s.meets(m.held):
                 _rewrite(model, scales, bits, means)
                 return s.result(model, True, met=True, held=m.held, rule_counts={f"kv_cache_{_NAMES[bits]}": layers})
@@ -241,16 +229,6 @@ def _rewrite(model: ir.Model, scales: dict[str, np.ndarray], bits: int,
             node.attributes[attr] = ir.AttrString(attr, "PER_CHANNEL")
         node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", bits)
     model.metadata_props[KV_QUANT_KEY] = _NAMES[bits]
-
-
-def _text(m: lossy.Measured) -> str:
-    parts = []
-    for label, c in (("calibration", m.calib), ("held-back", m.held)):
-        if c is not None:
-            d = c.decoder
-            parts.append(f"{label}: ppl {d['ppl']:.3f} / {d['ppl_reference']:.3f} = {d['ppl_ratio']:.4f}, "
-                         f"greedy {d['greedy_match']:.3f}")
-    return "; ".join(parts)
 
 
 register(QuantizeKVCachePass)
