@@ -10,6 +10,7 @@ import pytest
 from graphopt.data.metrics import Comparison, parse_budget
 from graphopt.errors import UsageError
 from graphopt.generate import quality
+from graphopt.generate.cache import new_cache
 from rewrites.common.budget import share
 
 
@@ -68,7 +69,7 @@ def test_a_model_against_itself(tiny_llama):
     # the perplexity is the teacher-forced one: one window by hand, token by token through the cache
     dec = quality.open_decoder(tiny_llama)
     w = check.rows.windows["held"][0]
-    cache = quality.KVCache(dec.sig, 1, len(w))
+    cache = new_cache(dec.sig, 1, len(w))
     nll = 0.0
     for i in range(len(w) - 1):
         logits = dec.step(cache, np.array([[w[i]]]), np.ones((1, i + 1), np.int64), np.array([[i]]))[0]

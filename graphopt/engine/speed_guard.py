@@ -37,7 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graphopt.errors import GraphoptError, UsageError
-from graphopt.generate import quant_cache
+from graphopt.generate import float_view
 from graphopt.runtime.session import make_session
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class Runners:
         key = id(model)
         if key not in self._by_id:
             sess = _session(model)
-            run = _runner(sess, quant_cache.quantized_feeds(model, self.feeds, sess))
+            run = _runner(sess, float_view.graph_feeds(sess, model, self.feeds))
             run()  # warm up: first runs allocate
             self._by_id[key] = (model, run)
         return self._by_id[key][1]

@@ -28,7 +28,7 @@ from graphopt.data import feeds as feeds_mod
 from graphopt.data.metrics import Budget, Comparer, Comparison, compare, parse_budget
 from graphopt.data.outputs import OutputStore
 from graphopt.errors import RuntimeSetupError, UsageError, VerificationError, first_line
-from graphopt.generate import quality, quant_cache
+from graphopt.generate import float_view, quality
 from graphopt.runtime import session as runtime
 
 LEVELS = ("off", "structure", "numeric")
@@ -117,7 +117,7 @@ def run_model(
     grow with the number of feeds. An ``onnx_ir`` model with CUDA-only ops runs through their
     stand-ins where CUDA is not used.
     """
-    return run_session(quant_cache.float_io(_session(model, provider, optimize), model), feeds)
+    return run_session(float_view.float_io(_session(model, provider, optimize), model), feeds)
 
 
 def _session(model, provider: str, optimize: bool = False):
@@ -239,8 +239,8 @@ def _verify_materialized(proto, level, feeds, reference, atol, rtol, budget, pro
     comparer = Comparer(atol=atol, rtol=rtol, scale_atol=scale_atol) if reference is not None else None
     try:
         sess = _session(data if data is not None else proto, provider)
-        # a graph holding its KV cache quantized is fed and read with float past / present (quant_cache)
-        outs = run_session(quant_cache.float_io(sess, proto), feeds, comparer, reference)
+        # a graph holding its KV cache quantized is fed and read with float past / present (float_view)
+        outs = run_session(float_view.float_io(sess, proto), feeds, comparer, reference)
     except RuntimeSetupError as e:
         return Verdict(level, False, reason=f"{where}: {e.message}")
     edge_outs, edge_summary, edge_fails = _run_edge(sess, edge, atol, rtol)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.errors import UsageError
+from graphopt.generate.kivi import KiviCache
 from graphopt.generate.signature import DecoderSignature
 
 
@@ -37,8 +38,6 @@ def new_cache(sig: DecoderSignature, batch: int, max_length: int):
     """The cache a graph of signature ``sig`` takes: a ``KVCache``, or a ``kivi.KiviCache`` for a KIVI-form
     graph (pass ``kivi-kv-cache``)."""
     if sig.kivi is not None:
-        from graphopt.generate.kivi import KiviCache
-
         return KiviCache(sig, batch, max_length)
     return KVCache(sig, batch, max_length)
 

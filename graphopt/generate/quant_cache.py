@@ -140,24 +140,15 @@ def graph_scales(model) -> tuple[int, dict[str, np.ndarray]] | None:
 
 def float_io(session, model) -> object:
     """``session`` itself, or a :class:`FloatIO` over it when ``model`` holds its KV cache quantized."""
-    meta = session.get_modelmeta().custom_metadata_map if hasattr(session, "get_modelmeta") else {}
-    if meta.get("graphopt.kv_cache") == "kivi":  # a KIVI-form cache (graphopt.generate.kivi)
-        from graphopt.generate.kivi import KiviIO
-        from graphopt.generate.signature import read_signature
-
-        return KiviIO(session, read_signature(session))
     found = graph_scales(model)
     if found is None:
         return session
     return FloatIO(session, found[0], found[1], _presents(found[1]))
 
 
-def quantized_feeds(model, feeds, session=None):
+def quantized_feeds(model, feeds):
     """``feeds`` made for the float graph, their float past quantized when ``model`` holds its cache quantized
-    (once, e.g. before timing runs); a KIVI-form graph needs its ``session``."""
-    io = float_io(session, model) if session is not None else None
-    if io is not None and hasattr(io, "prepare"):
-        return [io.prepare(f)[0] for f in feeds]
+    (once, e.g. before timing runs)."""
     found = graph_scales(model)
     if found is None:
         return feeds
