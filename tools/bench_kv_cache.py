@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -40,52 +39,37 @@ def _ids(text_path: str, tokenizer: str) -> list[int]:
     return quality.text_ids(body, tokenizer, None)
 
 
-def _prefill(dec, cache, ids: np.ndarray, chunk: int, score: bool) -> float:
-    """Feed ``ids`` [1, n] into ``cache`` (batch 1) in chunks; with ``score``, the summed NLL of tokens 1..n-1
-    (each chunk's logits scored as they come: a window's logits at once would be gigabytes)."""
-    from graphopt.generate.quality import nll
-
-    total = 0.0
+def _prefill(dec, cache, ids: np.ndarray, chunk: int) -> None:
+    """Feed ``ids`` [1, n] into ``cache`` (batch 1) in chunks."""
     n = ids.shape[1]
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        got = dec.step(cache, ids[:, a:b], np.ones((1, b), np.int64), np.arange(a, b, dtype=np.int64)[None, :],
-                       all_positions=score)
-        if score:
-            last = min(b, n - 1)  # logits at position i predict token i + 1
-            if last > a:
-                total += nll(got[0][:last - a], ids[0, a + 1:last + 1].tolist())
-    return total
+        dec.step(cache, ids[:, a:b], np.ones((1, b), np.int64), np.arange(a, b, dtype=np.int64)[None, :])
 
 
 def perplexity(dec, ids: list[int], context: int, windows: int, chunk: int) -> float:
-    from graphopt.generate.cache import new_cache as KVCache
+    """Teacher-forced perplexity of the first ``windows`` windows of ``context`` tokens, each from an empty cache
+    fed in chunks of ``chunk`` (``quality.perplexity``)."""
+    from graphopt.generate import quality
 
-    total, count = 0.0, 0
-    cache = KVCache(dec.sig, 1, context)
-    for w in range(windows):
-        win = ids[w * context:(w + 1) * context]
-        if len(win) < context:
-            break
-        cache.reset()
-        total += _prefill(dec, cache, np.asarray(win, np.int64)[None, :], chunk, True)
-        count += len(win) - 1
-    if not count:
+    wins = [ids[w * context:(w + 1) * context] for w in range(windows)]
+    wins = [w for w in wins if len(w) == context]
+    if not wins:
         raise SystemExit(f"the text has fewer than {context} tokens")
-    return math.exp(total / count)
+    return quality.perplexity(dec, wins, chunk)
 
 
 def probe(req: dict) -> dict:
     """One model at one batch size, in this (fresh) process."""
     from graphopt.bench.rss_probe import peak_rss_mb
-    from graphopt.generate.cache import new_cache as KVCache
+    from graphopt.generate.cache import new_cache
     from graphopt.generate.loop import open_decoder
 
     dec = open_decoder(req["model"], threads=req["threads"])
     loaded = peak_rss_mb()
     ids, context, new, batch, chunk = req["ids"], req["context"], req["new"], req["batch"], req["chunk"]
     plen = context - new
-    cache = KVCache(dec.sig, batch, context)
+    cache = new_cache(dec.sig, batch, context)
     t0 = time.perf_counter()
     if req.get("fill") == "random" and hasattr(cache, "fill_random"):  # a KIVI-form cache
         cache.fill_random(plen, np.random.default_rng(0))
@@ -100,11 +84,11 @@ def probe(req: dict) -> dict:
     elif dec.sig.kivi is not None:
         raise SystemExit("a KIVI-form cache is measured with --fill random")
     else:
-        row = KVCache(dec.sig, 1, context)
+        row = new_cache(dec.sig, 1, context)
         for r in range(batch):
             start = (r * 997) % max(1, len(ids) - plen)
             row.reset()
-            _prefill(dec, row, np.asarray(ids[start:start + plen], np.int64)[None, :], chunk, False)
+            _prefill(dec, row, np.asarray(ids[start:start + plen], np.int64)[None, :], chunk)
             cache.length = plen
             for name, past in cache.past().items():
                 past[r] = row.past()[name][0]
@@ -135,9 +119,9 @@ def _rss_mb() -> float:
 
 def _held_bytes_per_token(sig, length: int = 64) -> float:
     """Bytes per position per row of the cache buffers the runtime allocates for ``sig``."""
-    from graphopt.generate.cache import new_cache as KVCache
+    from graphopt.generate.cache import new_cache
 
-    c = KVCache(sig, 1, length)
+    c = new_cache(sig, 1, length)
     if hasattr(c, "fill_random"):  # a KIVI-form cache: what it holds at that many positions
         c.fill_random(length, np.random.default_rng(0))
         return c.held_bytes() / length

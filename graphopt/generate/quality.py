@@ -111,21 +111,30 @@ def nll(logits: np.ndarray, targets: Sequence[int]) -> float:
     return float(np.sum(lse - x[np.arange(len(targets)), np.asarray(targets)]))
 
 
-def perplexity(decoder: Decoder, windows: Sequence[Sequence[int]]) -> float:
-    """Teacher-forced perplexity over ``windows`` (each from an empty past)."""
+def perplexity(decoder: Decoder, windows: Sequence[Sequence[int]], chunk: int | None = None) -> float:
+    """Teacher-forced perplexity over ``windows`` (each from an empty past); ``chunk``: each window fed in steps of
+    that many positions, each reading the cache as the runtime holds it (a quantized cache's loss at length)."""
     total, count = 0.0, 0
     for w in windows:
         ids = np.asarray(w, np.int64)[None, :]
         n = ids.shape[1]
         cache = new_cache(decoder.sig, 1, n)
         pos = np.arange(n, dtype=np.int64)[None, :]
+        count += n - 1
+        if chunk and decoder.sig.logits_all_positions:  # scored chunk by chunk: a long window's logits are GBs
+            for a in range(0, n, chunk):
+                b = min(a + chunk, n)
+                logits = decoder.step(cache, ids[:, a:b], np.ones((1, b), np.int64), pos[:, a:b], all_positions=True)[0]
+                last = min(b, n - 1)  # logits at position i predict token i + 1
+                if last > a:
+                    total += nll(logits[:last - a], w[a + 1:last + 1])
+            continue
         if decoder.sig.logits_all_positions:
             logits = decoder.step(cache, ids, np.ones((1, n), np.int64), pos, all_positions=True)[0]
         else:  # last-position logits only: one token at a time
             logits = np.stack([decoder.step(cache, ids[:, i:i + 1], np.ones((1, i + 1), np.int64), pos[:, i:i + 1])[0]
                                for i in range(n)])
         total += nll(logits[:-1], w[1:])
-        count += n - 1
     return math.exp(total / count)
 
 

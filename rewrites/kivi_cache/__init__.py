@@ -31,9 +31,6 @@ calibration text shorter than two windows of ``sink + 2 * group`` tokens; the bu
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
@@ -41,7 +38,6 @@ from graphopt.data.metrics import Comparison
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
 from graphopt.generate import kivi, quality
-from graphopt.generate.cache import new_cache
 from graphopt.generate.loop import Decoder
 from graphopt.generate.signature import KV_CACHE_KEY
 from graphopt.opsets import MS_DOMAIN
@@ -85,8 +81,7 @@ def rewrite(model: ir.Model, fmt: kivi.KiviFormat) -> int:
         past_k, past_v = node.inputs[3], node.inputs[4]
         d, kv_heads = past_k.shape[3], past_k.shape[1]
         cache = layer_inputs(layer, fmt, kv_heads, d)
-        b = Builder(graph, f"kivi/{layer}/")
-        b.const = shared.const  # constants shared by every layer
+        b = Builder(graph, f"kivi/{layer}/", const_prefix="kivi/")  # constants shared by every layer
         out, k_new, v_new = attention(b, node, cache, fmt, positions, bias, d)
         b.flush(node)
         node.outputs[0].replace_all_uses_with(out)
@@ -122,22 +117,6 @@ def long_windows(rows: quality.TextRows, least: int) -> dict[str, list[int]] | s
     if half < least:
         return f"the calibration text gives {len(stream)} contiguous tokens; two windows of {least} are needed"
     return {quality.CALIB: stream[:half], quality.HELD: stream[half:2 * half]}
-
-
-def chunked_ppl(dec: Decoder, ids: list[int], chunk: int) -> float:
-    """Teacher-forced perplexity of ``ids`` fed in chunks of ``chunk`` positions from an empty cache."""
-    n = len(ids)
-    arr = np.asarray(ids, np.int64)[None, :]
-    cache = new_cache(dec.sig, 1, n)
-    total = 0.0
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
-        logits = dec.step(cache, arr[:, a:b], np.ones((1, b), np.int64), np.arange(a, b, dtype=np.int64)[None, :],
-                          all_positions=True)[0]
-        last = min(b, n - 1)
-        if last > a:
-            total += quality.nll(logits[:last - a], ids[a + 1:last + 1])
-    return math.exp(total / (n - 1))
 
 
 class KiviKVCachePass(GraphoptPass):
@@ -177,7 +156,7 @@ class KiviKVCachePass(GraphoptPass):
                f"sink {f.sink}; perplexity on two windows of {len(wins[quality.CALIB])} tokens in chunks of "
                f"{self.chunk}")
         ref_dec = Decoder(runtime.make_session(model, threads=1, spinning=False))
-        ref = {p: chunked_ppl(ref_dec, w, self.chunk) for p, w in wins.items()}
+        ref = {p: quality.perplexity(ref_dec, [w], self.chunk) for p, w in wins.items()}
         del ref_dec
         cand = model.clone()
         layers = rewrite(cand, f)
@@ -185,7 +164,7 @@ class KiviKVCachePass(GraphoptPass):
         dec = Decoder(sess)
 
         def score(part: str) -> Comparison:
-            ppl = chunked_ppl(dec, wins[part], self.chunk)
+            ppl = quality.perplexity(dec, [wins[part]], self.chunk)
             greedy = check.measure(dec, part)["greedy_match"]
             return Comparison({}, decoder={"ppl_ratio": ppl / ref[part], "ppl": ppl, "ppl_reference": ref[part],
                                            "greedy_match": greedy})

@@ -3,13 +3,14 @@
 Per layer (q, k, v: the node's query / key / value, or its packed QKV split)::
 
     q, k ── RotaryEmbedding(position_ids, the node's cos / sin caches) ──▶ q', k'  (when do_rotary)
-    keys   = Concat(Cast(key[:sink]), dequant(key codes) [Qk], Cast(key[sink:]), k')    position order
-    values = Concat(Cast(value), dequant(value codes) [Qv], v')
-    out    = Softmax(q' keysᵀ * scale + mask) values     (query head i reads kv head i // group)
+    scores = [q'·(float16 sink) | (q' * key scale)·codes + q'·key min | q'·(float16 window, k')]   position order
+    out    = p·[float16 sink] + (p * value scale)·codes + p·value min + p·v'     p = Softmax(scores + mask)
 
-``dequant``: the bit planes unpacked with ``BitShift`` / ``BitwiseAnd``, ``code * scale + min`` (float16 scale
-and min cast to float). The mask (one per graph) is 0 where a key position is both in the row's attention mask
-and not after the query's own position, else -1e9.
+(query head i reads kv head i // group). The scales are folded into the query and into the attention weights,
+so no dequantized float copy of the cache is made; the codes are read one bit field at a time (``_parts``: a
+scalar ``BitShift`` / ``BitwiseAnd`` each, one MatMul each, the small products interleaved). The mask (one per
+graph) is 0 where a key position is both in the row's attention mask and not after the query's own position,
+else -1e9.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ F32, F16, U8, I64 = ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.UINT8, i
 class Builder:
     """Nodes inserted before an anchor node, constants registered once in the graph."""
 
-    def __init__(self, graph: ir.Graph, prefix: str):
+    def __init__(self, graph: ir.Graph, prefix: str, const_prefix: str | None = None):
         self.graph, self.prefix, self.nodes, self._n = graph, prefix, [], 0
+        self.const_prefix = prefix if const_prefix is None else const_prefix
 
     def const(self, name: str, arr: np.ndarray) -> ir.Value:
-        full = f"{self.prefix}{name}"
+        full = f"{self.const_prefix}{name}"
         if full in self.graph.initializers:
             return self.graph.initializers[full]
         arr = np.asarray(arr)
@@ -93,11 +95,6 @@ def _parts(b: Builder, planes: list[ir.Value], bits: int):
         shift += w
 
 
-def _interleave6(b: Builder, products: list[tuple[float, int, int, ir.Value]], width: int) -> ir.Value:
-    """``_interleave`` of 6-D products (the last two axes: key groups, a group's tokens / per)."""
-    return _interleave(b, products, width, rank=6)
-
-
 def _interleave(b: Builder, products: list[tuple[float, int, int, ir.Value]], width: int, rank: int = 5) -> ir.Value:
     """Sum over planes of weight * (the parts' products interleaved along the last axis into ``width``)."""
     total, plane = None, []
@@ -119,7 +116,7 @@ def layer_inputs(layer: int, fmt: KiviFormat, kv_heads: int, d: int) -> dict[str
     out = {}
     for role, name in names(layer, fmt).items():
         if role in ("key", "value"):
-            shape, dtype = [f"{'key' if role == 'key' else 'value'}_float16_positions", "batch", kv_heads, d], F16
+            shape, dtype = [f"{role}_float16_positions", "batch", kv_heads, d], F16
         elif role.startswith("key.codes"):
             w = int(role[len("key.codes"):])
             shape, dtype = ["key_groups", "batch", kv_heads, d, fmt.group * w // 8], U8
@@ -186,7 +183,7 @@ def attention(b: Builder, node: ir.Node, cache: dict[str, ir.Value], fmt: KiviFo
         codes = b.op("Cast", [part], to=F32)  # [groups, b, h, 1, d, G/per]
         # [groups, batch, h, group, n, G/per] -> [batch, h, group, n, groups, G/per]
         products.append((weight, i, per, b.op("Transpose", [b.op("MatMul", [qs, codes])], perm=[1, 2, 3, 4, 0, 5])))
-    sc_q = _interleave6(b, products, fmt.group)
+    sc_q = _interleave(b, products, fmt.group, rank=6)
     sc_q = b.op("Add", [sc_q, b.op("Transpose", [b.op("MatMul", [q7, k_min])], perm=[1, 2, 3, 4, 0, 5])])
     sc_q = b.op("Reshape", [sc_q, i64("flat4", [0, 0, 0, 0, -1])])  # [batch, h, group, n, Qk]
     scores = b.op("Add", [b.op("Concat", [sc_sink, sc_q, sc_rest], axis=-1), bias])
