@@ -32,6 +32,16 @@ correction) into one 8-bit MatMulNBits whose zero points carry the minimums (wit
 ``head`` turns the LM head, a tied one too (``Transpose`` of the embedding table, a Q8_0 table exactly), into an
 8-bit MatMulNBits (``auto``: when faster; ``true``: also when not measured faster; ``false``: never).
 
+Weights re-quantized here (not already 4-bit blocks) are first scaled activation-aware (``awq``, :mod:`.awq`,
+AWQ): per group of projections reading one normalised (or gated-FFN) activation, ``x·W = (x/s)·(s·W)`` with the
+``1/s`` folded into the norm's scale or the up projection, ``s = mean|x|^α`` searched on the calibration rows;
+then each RTN block's range is clipped to the ratio that minimises its activation-weighted error (``clip``).
+When no kernel meets the budget with 4 bits everywhere (``mixed``), the projections with the largest local 4-bit
+error go to 8-bit ``MatMulNBits`` (at ``accuracy_level`` 4; ONNX Runtime 1.32's 8-bit kernel is slow at other
+levels, where they stay float), the fewest of a ladder of shares that meet the budget. Below 4 bits: ONNX Runtime
+1.32's CPU ``MatMulNBits`` has 2-bit kernels but no 3-bit one, and its 2-bit kernel measured slower than the 4-bit
+one at batch 1 (576 x 1536, 1 thread: 34 against 26 us at level 4, 1.95 ms at level 1), so no 2-bit form is offered.
+
 Budget (``--budget``; default :attr:`QuantizeInt4Pass.default_budget`): decoder metrics only (``ppl_ratio``,
 ``greedy_match``), measured against the pipeline's input model on text (``ctx.decoder``; a direct call
 measures against the model as given, on the default held-out text). ``method=gptq`` quantizes with GPTQ
@@ -44,6 +54,7 @@ K >= 16, no candidate meeting the budget (``budget_met=False``).
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import onnx_ir as ir
@@ -56,12 +67,14 @@ from graphopt.generate.loop import Decoder
 from graphopt.opsets import MS_DOMAIN
 from graphopt.rewrites.common import activations, decode_timing, lossy
 from graphopt.rewrites.common.q41_chain import drop_zero_points
-from graphopt.rewrites.quantize import blocks8, nbits
+from graphopt.rewrites.quantize import awq, blocks8, int4_graph, nbits
 from graphopt.runtime import session as runtime
 
 logger = logging.getLogger(__name__)
 
 Kernel = tuple[int, int]  # (block_size, accuracy_level)
+#: the shares of the re-quantized projections tried in 8 bits (or float) when 4 bits everywhere miss the budget
+MIXED_SHARES = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
 
 
 def _ints(spec: str, what: str, allowed) -> tuple[int, ...]:
@@ -105,7 +118,8 @@ class QuantizeInt4Pass(GraphoptPass):
 
     def __init__(self, *, block_sizes: str = "32,64,128", accuracy_levels: str = "1,4", symmetric: bool = False,
                  method: str = "rtn", head: str = "auto", embedding: str = "auto", steps: int = 16,
-                 keep_blocks: bool = True, fold_minimums: str = "auto"):
+                 keep_blocks: bool = True, fold_minimums: str = "auto", awq: bool = True, clip: bool = True,
+                 mixed: bool = True):
         super().__init__()
         self.block_sizes = _ints(block_sizes, "block_sizes", lambda b: b >= 16 and not b & (b - 1))
         self.accuracy_levels = _ints(accuracy_levels, "accuracy_levels", lambda a: a in (0, 1, 2, 3, 4))
@@ -117,6 +131,9 @@ class QuantizeInt4Pass(GraphoptPass):
         self.steps = int(steps)
         #: False: re-quantize weights that already are 4-bit affine blocks too (to compare)
         self.keep_blocks = bool(keep_blocks)
+        #: activation-aware scaling of the re-quantized projections (:mod:`.awq`); 8-bit / float projections
+        #: where 4 bits everywhere miss the budget
+        self.awq, self.clip, self.mixed = bool(awq), bool(clip), bool(mixed)
 
     # ------------------------------------------------------------ the pass
 
@@ -163,29 +180,41 @@ class QuantizeInt4Pass(GraphoptPass):
             s.note(f"{len(exact)} of {len(body)} projection weights already are 4-bit affine blocks of 32 (largest "
                    f"deviation {max(b.max_error for b in exact.values()):.2g}): kept exactly as MatMulNBits with "
                    "zero points 0 + ReduceSum(x per block) @ minimums, not re-quantized; block size 32")
-        xtx = self._xtx(model, check, [i for i in body + head if nodes[i].inputs[1].name not in exact]) \
-            if self.method == "gptq" else {}
+        fresh = [i for i in body + head if nodes[i].inputs[1].name not in exact]  # weights quantized here
+        stats = self._stats(model, check, fresh, xtx=self.method == "gptq") if fresh and (
+            self.method == "gptq" or self.awq or self.clip or self.mixed) else {}
+        src, scaled = model, []
+        if self.awq and stats:
+            src = model.clone()
+            scaled = self._awq(src, stats, [i for i in fresh if i not in head], block_sizes[0], s)
+        xtx = {nodes[i].inputs[1].name: stats[nodes[i].inputs[0].name][1] for i in fresh
+               if nodes[i].inputs[0].name in stats and stats[nodes[i].inputs[0].name][1] is not None}
         if xtx:
             s.note(f"GPTQ: XᵀX of {len(xtx)} weights from the calibration windows (the rest RTN)")
-        blocks: dict[tuple[str, int], nbits.Blocks] = {}
+        blocks: dict[tuple[str, int, bool], nbits.Blocks] = {}
+        acts = {nodes[i].inputs[1].name: nodes[i].inputs[0].name for i in fresh}
 
-        def quant(name: str, w: np.ndarray, bs: int, table: bool = False) -> nbits.Blocks:
-            """The blocks of the weight initializer ``name`` (computed once per block size)."""
-            key = (name, bs)
+        def quant(name: str, w: np.ndarray, bs: int, table: bool = False, eight: bool = False) -> nbits.Blocks:
+            """The blocks of the weight initializer ``name`` (computed once per block size and width)."""
+            key = (name, bs, eight)
             if name in exact and not table:
                 return exact[name]
             if key not in blocks:
                 if table:
                     blocks[key] = nbits.rtn_blocks(w.T, bs, self.symmetric)
+                elif eight:
+                    blocks[key] = nbits.rtn8_blocks(w, bs)
                 elif name in xtx:
                     blocks[key] = nbits.gptq_blocks(w, xtx[name], bs)
+                elif self.clip and acts.get(name) in stats:  # AWQ's clipping search on the (scaled) inputs
+                    blocks[key] = awq.clipped_blocks(w, stats[acts[name]][0], bs, self.symmetric)
                 else:
                     blocks[key] = nbits.rtn_blocks(w, bs, self.symmetric)
             return blocks[key]
 
-        def build(kernel: Kernel, names, emb_names=()) -> ir.Model:
-            cand = model.clone()
-            _rewrite(cand, kernel, set(names), set(emb_names), quant)
+        def build(kernel: Kernel, names, emb_names=(), eight=frozenset()) -> ir.Model:
+            cand = src.clone()
+            int4_graph.rewrite(cand, kernel, set(names), set(emb_names), quant, eight)
             if kernel[1] == 4:
                 drop_zero_points(cand, levels=(4,))
             return cand
@@ -202,33 +231,52 @@ class QuantizeInt4Pass(GraphoptPass):
         def measure(sess) -> lossy.Measured:
             return s.evaluate(lambda part: Comparison({}, decoder=check.measure(sess, part)))
 
-        chosen, held = None, None
+        chosen, held, short = None, None, {}
         for k in sorted(kernels, key=lambda k: speed[k]):
             m = measure(cands[k])
+            short[k] = _shortfall(s.budget, m.calib)
             s.note(f"block {k[0]} level {k[1]}: {_text(m)}; {s.verdict(m)}")
             if s.meets(m.held):
                 chosen, held = k, m.held
                 break
         cands.clear()
+        names, emb_names, eight = list(body), [], frozenset()
+        if chosen is None and self.mixed and fresh:
+            # the kernel closest to the budget on calibration (level 4 first: the 8-bit kernel is fast only there)
+            near = min(kernels, key=lambda k: (k[1] != 4, short[k], speed[k]))
+            found = self._mixed(src, stats, body, [i for i in body if i in fresh], near, build, measure, s)
+            if found is not None:
+                chosen, names, eight, held = found
         if chosen is None:
             s.note(f"budget {s.budget} cannot be met by any kernel: model left unchanged (fp32)")
             return s.result(model, False, met=False)
-        names, emb_names = list(body), []
         for what, opt, extra, is_emb in (("LM head", self.head, head, False), ("embedding", self.embedding, emb, True)):
+            if is_emb:  # GatherBlockQuantized reads whole blocks of a row
+                extra = [i for i in extra if nodes[i].inputs[0].const_value.shape[1] % chosen[0] == 0]
             if not extra or opt == "false":
                 continue
             trial = (names, emb_names + extra) if is_emb else (names + extra, emb_names)
-            m = measure(self._session(build(chosen, *trial)))
+            m = measure(self._session(build(chosen, *trial, eight=eight)))
             ok = s.meets(m.held)
             s.note(f"{what} in 4 bits: {_text(m)}; {'kept' if ok else 'left float: ' + s.verdict(m)}")
             if ok:
                 names, emb_names, held = trial[0], trial[1], m.held
-        counts = _rewrite(model, chosen, set(names), set(emb_names), quant)
+        for group, scale in scaled:
+            awq.apply(model, group, scale)
+        counts = int4_graph.rewrite(model, chosen, set(names), set(emb_names), quant, eight)
         if chosen[1] == 4 and (z := drop_zero_points(model, levels=(4,))):
             counts["quantize-int4-implied-zero-points"] = z
         scheme = "GPTQ, symmetric" if xtx else f"RTN, {'symmetric' if self.symmetric else 'zero points'}"
+        if self.clip and stats and not xtx:
+            scheme = f"{scheme}, ranges clipped"
+        if scaled:
+            scheme = f"AWQ-scaled, {scheme}"
         if exact:
             scheme = f"{len(exact)} exact blocks, the rest {scheme}"
+        if eight:
+            scheme += f"; {len(eight)} projections in 8 bits"
+        elif len(names) < len(body):
+            scheme += f"; {len(body) - len([i for i in names if i in body])} projections left float"
         s.note(f"chose block {chosen[0]}, accuracy_level {chosen[1]} ({scheme})")
         if chosen[1] == 4:
             more, held8 = self._stages(model, check, s, self._blocks8_stages(model))
@@ -337,29 +385,78 @@ class QuantizeInt4Pass(GraphoptPass):
                 return int(v.shape[-1])
         return None
 
-    def _xtx(self, model: ir.Model, check, index: list[int]) -> dict[str, np.ndarray]:
-        """XᵀX of the input of each MatMul at ``index`` over the calibration windows (GPTQ), by weight name."""
-        by_act: dict[str, list[str]] = {}
-        for i, n in enumerate(model.graph):
-            if i in index:
-                by_act.setdefault(n.inputs[0].name, []).append(n.inputs[1].name)
-        feeds = [_window_feed(model, w) for w in check.rows.windows[quality.CALIB]]
-        stats = activations.collect(model, feeds, list(by_act), xtx_for=list(by_act))
-        return {m: stats[a].xtx for a, ms in by_act.items() if a in stats and stats[a].xtx is not None for m in ms}
+    def _stats(self, model: ir.Model, check, index: list[int], *, xtx: bool) -> dict[str, list]:
+        """``[sampled rows, XᵀX or None]`` of the input of each MatMul at ``index`` over the calibration windows,
+        by activation name."""
+        nodes = list(model.graph)
+        acts = list(dict.fromkeys(nodes[i].inputs[0].name for i in index))
+        feeds = [int4_graph.window_feed(model, w) for w in check.rows.windows[quality.CALIB]]
+        stats = activations.collect(model, feeds, acts, xtx_for=acts if xtx else ())
+        return {a: [stats[a].rows, stats[a].xtx] for a in acts if a in stats and stats[a].rows is not None}
+
+    def _awq(self, src: ir.Model, stats: dict[str, list], index: list[int], bs: int, s: lossy.BudgetSearch) -> list:
+        """AWQ scales (:mod:`.awq`) searched per group under RTN at block ``bs`` and applied to ``src`` in place;
+        ``stats`` then describe the scaled activations. Returns [(group, s)] of the groups scaled."""
+        def qdq(w: np.ndarray) -> np.ndarray:
+            return nbits.dequant(nbits.rtn_blocks(w, bs, self.symmetric), w.shape[0])
+
+        gs = awq.groups(src, set(index))
+        out, before, after, alphas = awq.scale_groups(src, gs, stats, qdq)
+        if gs:
+            s.note(f"AWQ: {len(out)} of {len(gs)} groups of projections scaled ({sum(len(g.matmuls) for g, _ in out)} "
+                   f"weights{f', alpha {min(alphas):.2f}-{max(alphas):.2f}' if alphas else ''}): their local 4-bit "
+                   f"output error on the calibration rows (RTN, block {bs}) {after / max(before, 1e-30):.3f}x of "
+                   "without")
+        else:
+            s.note("AWQ: no projections whose input can absorb a scale (a norm, a Mul by a constant, a gated FFN)")
+        return out
+
+    def _mixed(self, src: ir.Model, stats: dict[str, list], body: list[int], index: list[int], kernel: Kernel,
+               build, measure, s: lossy.BudgetSearch):
+        """4 bits everywhere missed the budget: the projections at ``index`` with the largest local 4-bit error
+        (:func:`.awq.relative_error`, RTN at the kernel's block size) go to 8 bits at ``accuracy_level`` 4 (ONNX
+        Runtime's 8-bit kernel is fast only there) or stay float at other levels; the fewest of the ladder
+        :data:`MIXED_SHARES` that meet the budget (binary search). Returns (kernel, names, eight, held) or None."""
+        nodes = list(src.graph)
+        bs, level = kernel
+        err = {}
+        for i in index:
+            st = stats.get(nodes[i].inputs[0].name)
+            if st is not None:
+                w = nodes[i].inputs[1].const_value.numpy()
+                err[i] = awq.relative_error(st[0], w, nbits.dequant(nbits.rtn_blocks(w, bs, self.symmetric), len(w)))
+        order = sorted(err, key=lambda i: -err[i])
+        if not order:
+            return None
+        # float at every projection is the input, not a quantized model
+        counts = sorted({c for f in MIXED_SHARES if (c := max(1, round(len(order) * f))) < len(order) or level == 4})
+        if not counts:
+            return None
+        wide = "8 bits" if level == 4 else "float"
+
+        def pick(j: int) -> tuple[list[int], frozenset[int]]:
+            top = frozenset(order[:counts[j]])
+            return (list(body), top) if level == 4 else ([i for i in body if i not in top], frozenset())
+
+        def one(j: int) -> lossy.Measured:
+            names, eight = pick(j)
+            return measure(self._session(build(kernel, names, eight=eight)))
+
+        def seen(j: int, m: lossy.Measured) -> None:
+            s.note(f"block {bs} level {level}, {counts[j]} of {len(order)} projections in {wide} (the largest local "
+                   f"4-bit error first): {_text(m)}; {s.verdict(m)}")
+
+        j, done = s.first_confirmed(len(counts), one, seen)
+        if j is None:
+            return None
+        return (kernel, *pick(j), done[j].held)
 
 
-def _window_feed(model: ir.Model, window) -> dict[str, np.ndarray]:
-    """One calibration window as a feed with an empty past."""
-    n = len(window)
-    feed = {"input_ids": np.asarray(window, np.int64)[None, :], "attention_mask": np.ones((1, n), np.int64)}
-    for v in model.graph.inputs:
-        if v.name == "position_ids":
-            feed[v.name] = np.arange(n, dtype=np.int64)[None, :]
-        elif v.name.startswith("past_key_values."):
-            dims = [d if isinstance(d, int) else 0 for d in v.shape]
-            dims[0] = 1
-            feed[v.name] = np.zeros(dims, np.float32)
-    return feed
+def _shortfall(budget, c: Comparison | None) -> float:
+    """How far ``c`` misses ``budget``: the sum of each term's relative shortfall (0 when it holds)."""
+    gaps = [(c.worst(t.metric) - t.value) * (1 if t.op in ("<=", "<") else -1) / max(abs(t.value), 1e-9)
+            for t in budget.terms] if c is not None else [math.inf]
+    return math.inf if any(math.isnan(g) for g in gaps) else sum(max(0.0, g) for g in gaps)
 
 
 def _text(m: lossy.Measured) -> str:
@@ -370,13 +467,6 @@ def _text(m: lossy.Measured) -> str:
         return f"ppl_ratio {d['ppl_ratio']:.4f} (ppl {d['ppl']:.3f} vs {d['ppl_reference']:.3f}), " \
                f"greedy_match {d['greedy_match']:.3f}"
     return f"calibration {one(m.calib)}; held-back {one(m.held)}"
-
-
-def _init(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
-    v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
-                 const_value=ir.tensor(arr, name=name))
-    graph.register_initializer(v)
-    return v
 
 
 def _level4(model: ir.Model) -> dict[str, int]:
@@ -396,66 +486,6 @@ def _set_level(model: ir.Model, level: int) -> int:
             node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
             n += 1
     return n
-
-
-def _rewrite(model: ir.Model, kernel: Kernel, names: set[int], emb_names: set[int], quant) -> dict[str, int]:
-    """Replace the MatMuls at positions ``names`` (graph order) by MatMulNBits and the Gathers at ``emb_names``
-    by GatherBlockQuantized."""
-    g = model.graph
-    bs, level = kernel
-    counts: dict[str, int] = {}
-    dropped = []
-    for i, node in enumerate(list(g)):
-        if i not in names and i not in emb_names:
-            continue
-        is_emb = i in emb_names
-        wv = node.inputs[0 if is_emb else 1]
-        w = wv.const_value.numpy()
-        b = quant(wv.name, w, bs, is_emb)
-        pre = f"{wv.name}_{i}"
-        zp = _init(g, f"{pre}_zp4", b.zero_points) if b.zero_points is not None else None
-        if is_emb:
-            v, h = w.shape
-            q = _init(g, f"{pre}_q4", b.packed.reshape(v, -1))
-            sc = _init(g, f"{pre}_scale4", b.scales)
-            new = ir.node("GatherBlockQuantized", [q, node.inputs[1], sc] + ([zp] if zp is not None else []),
-                          {"gather_axis": 0, "quantize_axis": 1, "block_size": bs, "bits": 4}, domain=MS_DOMAIN,
-                          name=f"{pre}_gbq")
-            rule = "quantize-int4-embedding"
-        else:
-            k, n = w.shape
-            q = _init(g, f"{pre}_q4", b.packed)
-            sc = _init(g, f"{pre}_scale4", b.scales.reshape(-1))
-            new = ir.node("MatMulNBits", [node.inputs[0], q, sc] + ([zp] if zp is not None else []),
-                          {"K": k, "N": n, "bits": 4, "block_size": bs, "accuracy_level": level}, domain=MS_DOMAIN,
-                          name=f"{pre}_nbits")
-            rule = "quantize-int4-matmul"
-        news = [new]
-        if not is_emb and b.mins is not None:  # exact affine blocks: + ReduceSum(x per block) @ minimums
-            rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else 3
-            nb = b.mins.shape[0]
-            shape = _init(g, f"{pre}_block_shape", np.array([0] * (rank - 1) + [nb, bs], np.int64))
-            axes = _init(g, f"{pre}_block_axis", np.array([-1], np.int64))
-            mins = _init(g, f"{pre}_mins", b.mins)
-            blocks = ir.node("Reshape", [node.inputs[0], shape], name=f"{pre}_blocks")
-            sums = ir.node("ReduceSum", [blocks.outputs[0], axes], {"keepdims": 0}, name=f"{pre}_block_sums")
-            corr = ir.node("MatMul", [sums.outputs[0], mins], name=f"{pre}_min_correction")
-            add = ir.node("Add", [new.outputs[0], corr.outputs[0]], name=f"{pre}_add")
-            for v in (new, blocks, sums, corr):
-                v.outputs[0].type = node.outputs[0].type
-            news = [new, blocks, sums, corr, add]
-            rule = "quantize-int4-exact-blocks"
-        last = news[-1].outputs[0]
-        last.shape, last.type = node.outputs[0].shape, node.outputs[0].type
-        ir.convenience.replace_nodes_and_values(g, node, [node], news, [node.outputs[0]], [last])
-        counts[rule] = counts.get(rule, 0) + 1
-        dropped.append(wv)
-    for wv in dropped:
-        if not wv.uses() and wv.name in g.initializers and not wv.is_graph_output():
-            del g.initializers[wv.name]
-    if counts:
-        model.opset_imports.setdefault(MS_DOMAIN, 1)
-    return counts
 
 
 register(QuantizeInt4Pass)

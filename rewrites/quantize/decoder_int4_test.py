@@ -122,7 +122,7 @@ def test_gptq_option(tiny_llama):
     res = create("quantize-int4", {"block_sizes": "32", "accuracy_levels": "1", "steps": 2, "method": "gptq",
                                    "head": "false", "embedding": "false"})(
         model, PassContext(budget=parse_budget("ppl_ratio<=1.05")))
-    assert res.budget_met and any("chose block 32, accuracy_level 1 (GPTQ, symmetric)" in n for n in res.notes)
+    assert res.budget_met and any("chose block 32, accuracy_level 1 (AWQ-scaled, GPTQ, symmetric)" in n for n in res.notes)
     nb = [n for n in model.graph if n.op_type == "MatMulNBits"]
     assert len(nb) == 14 and all(len(n.inputs) == 3 for n in nb)  # symmetric: no zero points; head left float
     assert _ops(model)["Gather"] == 1

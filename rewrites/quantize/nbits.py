@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from graphopt.rewrites.quantize.blocks8 import rtn8
 from graphopt.rewrites.quantize.int4 import gptq_int4, pack_int4
 
 
@@ -31,6 +32,8 @@ class Blocks:
     mins: np.ndarray | None = None
     #: exact blocks: the largest ``|d·q + m - w|`` over the weight
     max_error: float = 0.0
+    #: 4, or 8: ``packed`` is uint8 [N, n_blocks, block] codes with the implied zero point 128
+    bits: int = 4
 
 
 def rtn_blocks(w: np.ndarray, block_size: int, symmetric: bool) -> Blocks:
@@ -73,3 +76,28 @@ def gptq_blocks(w: np.ndarray, xtx: np.ndarray, block_size: int) -> Blocks:
     """GPTQ 4-bit blocks (symmetric) of a [K, N] weight given its inputs' XᵀX."""
     q, scales = gptq_int4(w, xtx, block_size)
     return Blocks(pack_int4(q, block_size), np.ascontiguousarray(scales.T, np.float32), None, block_size)
+
+
+def rtn8_blocks(w: np.ndarray, block_size: int) -> Blocks:
+    """Symmetric 8-bit blocks of a [K, N] float32 weight (``d = max|w| / 127`` per block, implied zero point 128)."""
+    codes, d, _ = rtn8(np.ascontiguousarray(w.T), block_size)
+    return Blocks(codes, d, None, block_size, bits=8)
+
+
+def dequant(b: Blocks, k: int) -> np.ndarray:
+    """The [K, N] float32 weight that ``b`` holds."""
+    if b.bits == 8:
+        q = b.packed.astype(np.float32) - 128.0
+    else:
+        q = np.stack([b.packed & 0xF, b.packed >> 4], axis=-1).reshape(b.packed.shape[0], b.packed.shape[1], -1)
+        q = q.astype(np.float32)
+        nb = q.shape[1]
+        if b.zero_points is None:
+            q -= 8.0
+        else:
+            zp = np.stack([b.zero_points & 0xF, b.zero_points >> 4], axis=-1).reshape(q.shape[0], -1)[:, :nb]
+            q -= zp[..., None].astype(np.float32)
+    w = q * b.scales.reshape(q.shape[0], q.shape[1])[..., None]
+    if b.mins is not None:
+        w += b.mins.T[..., None]
+    return np.ascontiguousarray(w.reshape(q.shape[0], -1).T[:k])
