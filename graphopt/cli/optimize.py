@@ -44,6 +44,7 @@ def command(
     recipe: Annotated[str | None, typer.Option("--recipe", help="Recipe TOML file or builtin recipe name.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Pass option PASS.KEY=VALUE (repeatable).")] = None,
     calib: Calib = None,
+    text_window: Annotated[int, typer.Option("--text-window", help="Decoder budgets (ppl_ratio, greedy_match): tokens per calibration and held-back window of the text, i.e. the context the budget is measured at.")] = 64,
     input_shape: InputShape = None,
     input_value: InputValue = None,
     budget: Budget = None,
@@ -103,7 +104,8 @@ def command(
     shapes, values = feed_overrides(input_shape, input_value, calib)
     calib, text = calib_or_text(calib)
     options = OptimizeOptions(
-        recipe=recipe, passes=passes, overrides=set_ or [], calib=calib, text=text, input_shapes=shapes,
+        recipe=recipe, passes=passes, overrides=set_ or [], calib=calib, text=text, text_window=text_window,
+        input_shapes=shapes,
         input_values=values,
         budget=parsed_budget, provider=provider, verify_level=verify, keep_going=keep_going, strict=strict,
         max_memory=max_memory, debug_dir=debug_dir, explain=explain, speed_check=speed_check,

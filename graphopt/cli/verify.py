@@ -28,6 +28,7 @@ def command(
     reference: Annotated[Path, typer.Argument(help="Reference model A.", show_default=False)],
     candidate: Annotated[Path, typer.Argument(help="Candidate model B.", show_default=False)],
     calib: Calib = None,
+    text_window: Annotated[int, typer.Option("--text-window", help="Decoder budgets: tokens per window of the --calib text (the context the budget is measured at).")] = 64,
     input_shape: InputShape = None,
     input_value: InputValue = None,
     budget: Budget = None,
@@ -53,7 +54,7 @@ def command(
     shapes, values = feed_overrides(input_shape, input_value, calib)
     calib, text = calib_or_text(calib)
     res = compare_models(reference, candidate, calib=calib, budget=budget, atol=atol, rtol=rtol, provider=provider,
-                         shapes=shapes, values=values, text=text)
+                         shapes=shapes, values=values, text=text, text_window=text_window)
     if json_:
         typer.echo(json.dumps(res.as_dict(), indent=2, default=str))
     else:

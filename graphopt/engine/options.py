@@ -35,6 +35,8 @@ class OptimizeOptions:
     #: decoder budgets (``ppl_ratio``, ``greedy_match``): a UTF-8 text file cut into calibration and held-back
     #: windows (``graphopt.generate.quality``); None: the default held-out text
     text: str | os.PathLike | None = None
+    #: tokens per calibration / held-back window of ``text`` (decoder budgets measured at that context)
+    text_window: int = 64
     #: the tokenizer folder for ``text``; None: the one beside the model, else UTF-8 bytes as token ids
     tokenizer: str | os.PathLike | None = None
     #: shapes and values of inputs in generated feeds (``--input-shape`` / ``--input-value``)

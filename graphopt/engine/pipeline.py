@@ -205,7 +205,7 @@ def optimize(
         # decoder budgets: the input model's perplexity and greedy tokens on the calibration and held-back
         # text windows, once (graphopt.generate.quality)
         decoder_check = quality.decoder_check(make_session(model, threads=1), model_path=src or None, text=o.text,
-                                              tokenizer=o.tokenizer)
+                                              tokenizer=o.tokenizer, window=o.text_window)
         report.text = decoder_check.rows.describe()
     all_feeds = selection.feeds
     calib_feeds, check_feeds = feeds_mod.split_feeds(all_feeds)

@@ -348,6 +348,7 @@ def compare_models(
     values: Mapping[str, np.ndarray] | None = None,
     text: str | Path | None = None,
     tokenizer: str | Path | None = None,
+    text_window: int = 64,
 ) -> ModelComparison:
     """Run ``reference`` and ``candidate`` (models or paths) on the same feeds and compare their
     outputs mask-aware (``graphopt verify A B``).
@@ -358,7 +359,7 @@ def compare_models(
     candidate lacks are failures. Raises GraphoptError for unreadable models, bad feeds or budgets.
 
     Decoder metrics in the budget (``ppl_ratio``, ``greedy_match``) are measured on the held-back windows of
-    ``text`` (a file; None: the default held-out text), tokenized by ``tokenizer`` or the tokenizer beside
+    ``text`` (a file; None: the default held-out text) cut into windows of ``text_window`` tokens, tokenized by ``tokenizer`` or the tokenizer beside
     ``reference`` (``graphopt.generate.quality``): the same rows ``optimize`` confirms a budget on.
     """
     if not isinstance(budget, Budget):
@@ -378,7 +379,7 @@ def compare_models(
     if budget.decoder:
         ref_path = reference if not isinstance(reference, ir.Model) else None
         check = quality.decoder_check(runtime.make_session(a, threads=1), model_path=ref_path, text=text,
-                                      tokenizer=tokenizer)
+                                      tokenizer=tokenizer, window=text_window)
         cmp.decoder.update(check.measure(runtime.make_session(b, threads=1), quality.HELD))
         text_rows = check.rows.describe()
     if budget:

@@ -85,6 +85,26 @@ def test_optimize_cli_exit_codes(run_cli, tiny_llama, tmp_path):
     assert code == 2 and "greedy_match" in err
 
 
+def test_text_window_sets_the_context_the_budget_is_measured_at(run_cli, tiny_llama, tmp_path):
+    import json
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)  # 1,800 UTF-8 bytes as token ids
+    fast = ["--passes", "quantize-int4", "--set", "quantize-int4.block_sizes=32", "--set",
+            "quantize-int4.accuracy_levels=1", "--set", "quantize-int4.steps=2", "--budget", "ppl_ratio<=1.1"]
+    code, _, err = run_cli("optimize", tiny_llama, "-o", tmp_path / "q.onnx", "--calib", text, "--text-window", "128",
+                           "--report", tmp_path / "r.json", *fast)
+    assert code == 0, err
+    assert "7 calibration + 7 held-back windows of 128 tokens" in json.loads((tmp_path / "r.json").read_text())["text"]
+    code, out, err = run_cli("verify", tiny_llama, tmp_path / "q.onnx", "--calib", text, "--text-window", "128",
+                             "--budget", "ppl_ratio<=1.1", "--json")
+    assert code == 0, err
+    assert "windows of 128 tokens" in out
+    code, _, err = run_cli("optimize", tiny_llama, "-o", tmp_path / "no.onnx", "--calib", text, "--text-window",
+                           "1000", *fast)
+    assert code == 2 and "give a longer text" in err and not (tmp_path / "no.onnx").exists()
+
+
 def test_gather_block_quantized_matches_the_blocks():
     """GatherBlockQuantized reads the transposed-table blocks as rows of the table (ORT CPU)."""
     rng = np.random.default_rng(1)
