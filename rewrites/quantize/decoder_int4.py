@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 
 Kernel = tuple[int, int]  # (block_size, accuracy_level)
 #: the shares of the re-quantized projections tried in 8 bits (or float) when 4 bits everywhere miss the budget
-MIXED_SHARES = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
+MIXED_SHARES = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 1.0)
 
 
 def _ints(spec: str, what: str, allowed) -> tuple[int, ...]:
