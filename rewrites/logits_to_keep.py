@@ -17,7 +17,8 @@ distance from the shortest row's end to a right-padded batch's end, and 0 where 
 
 The head is the node that makes ``logits``: a ``MatMul`` or ``MatMulNBits``, or one reached from ``logits``
 through position-wise ``Cast`` / ``Add`` / ``Mul`` / ``Div`` / ``Tanh`` with constant operands that do not
-span the sequence axis (a bias, a logit scale or soft cap). Declined (graph unchanged, a note) where the graph
+span the sequence axis (a bias, a logit scale or soft cap); or the ``Add`` of two such kernels reading the same
+hidden state (``q8-tables``' tied head: its high and low nibbles), both then reading the sliced input. Declined (graph unchanged, a note) where the graph
 has no past_key_values inputs, no [batch, sequence, vocab] ``logits``, a head in another form, or the input
 already.
 """
@@ -46,8 +47,9 @@ def _spans_sequence(v: ir.Value) -> bool:
     return len(shape) >= 2 and shape[-2] != 1
 
 
-def find_head(graph: ir.Graph) -> tuple[ir.Node, list[ir.Node]] | str:
-    """(the LM head node, the position-wise nodes between it and ``logits``) or why there is none."""
+def find_head(graph: ir.Graph) -> tuple[list[ir.Node], list[ir.Node]] | str:
+    """(the LM head node(s): one, or two summed; the position-wise nodes between them and ``logits``) or why
+    there is none."""
     outs = {o.name: o for o in graph.outputs}
     logits = outs.get("logits")
     if logits is None:
@@ -61,6 +63,14 @@ def find_head(graph: ir.Graph) -> tuple[ir.Node, list[ir.Node]] | str:
         if node is None:
             return "'logits' is a graph input"
         if (node.domain, node.op_type) in _HEADS:
+            heads = [node]
+            break
+        pair = _summed_heads(node)
+        if pair is not None:
+            if len(v.uses()) != (0 if v is logits else 1):
+                return f"'{v.name}' is read by more than the path to 'logits'"
+            between.append(node)
+            heads = pair
             break
         if node.domain not in ("", "ai.onnx") or node.op_type not in _WISE or len(between) >= 4:
             return f"'logits' is made by {node.op_type} '{node.name}', not an LM head MatMul / MatMulNBits"
@@ -71,12 +81,24 @@ def find_head(graph: ir.Graph) -> tuple[ir.Node, list[ir.Node]] | str:
             return f"'{v.name}' is read by more than the path to 'logits'"
         between.append(node)
         v = flow[0]
-    if len(v.uses()) != (0 if v is logits else 1):
+    if len(heads) == 1 and len(v.uses()) != (0 if v is logits else 1):
         return f"'{v.name}' is read by more than the path to 'logits'"
-    h = node.inputs[0]
+    h = heads[0].inputs[0]
     if h is None or h.shape is None or len(h.shape) != 3:
-        return f"the LM head '{node.name}' does not read a [batch, sequence, hidden] value"
-    return node, between
+        return f"the LM head '{heads[0].name}' does not read a [batch, sequence, hidden] value"
+    return heads, between
+
+
+def _summed_heads(node: ir.Node) -> list[ir.Node] | None:
+    """The two head kernels an ``Add`` sums, both reading one input and read by nothing else, or None."""
+    if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    prods = [i.producer() if i is not None else None for i in node.inputs]
+    if any(p is None or (p.domain, p.op_type) not in _HEADS for p in prods) or prods[0] is prods[1]:
+        return None
+    if prods[0].inputs[0] is not prods[1].inputs[0] or any(len(i.uses()) != 1 for i in node.inputs):
+        return None
+    return prods
 
 
 class LogitsToKeepPass(GraphoptPass):
@@ -97,8 +119,8 @@ class LogitsToKeepPass(GraphoptPass):
         found = find_head(g)
         if isinstance(found, str):
             return PassResult(model, False, notes=[f"not applied: {found}"])
-        head, between = found
-        h = head.inputs[0]
+        heads, between = found
+        h = heads[0].inputs[0]
         keep = ir.Value(name=INPUT, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]),
                         const_value=ir.tensor(np.array(0, np.int64), name=INPUT))
         g.inputs.append(keep)
@@ -118,14 +140,15 @@ class LogitsToKeepPass(GraphoptPass):
                       outputs=[ir.Value(name="logits_to_keep.start")])
         sliced = ir.Value(name=f"{h.name}.kept", type=h.type, shape=ir.Shape([h.shape[0], DIM, h.shape[2]]))
         cut = ir.node("Slice", [h, neg.outputs[0], end, seq_axis], name="logits_to_keep/Slice", outputs=[sliced])
-        g.insert_before(head, [unsq, neg, cut])
-        head.replace_input_with(0, sliced)
-        for node in [head, *reversed(between)]:
+        g.insert_before(next(n for n in g if any(n is x for x in heads)), [unsq, neg, cut])  # the first in order
+        for head in heads:
+            head.replace_input_with(0, sliced)
+        for node in [*heads, *reversed(between)]:
             for out in node.outputs:
                 if out.shape is not None and len(out.shape) == 3:
                     out.shape = ir.Shape([out.shape[0], DIM, out.shape[2]])
         return PassResult(model, True, notes=[f"'{INPUT}' (default 0: all positions) slices the input of the LM "
-                                              f"head {head.op_type} '{head.name}'"],
+                                              f"head {' + '.join(f'{n.op_type} {n.name!r}' for n in heads)}"],
                           rule_counts={"logits-to-keep": 1})
 
 

@@ -115,3 +115,41 @@ def test_declines_without_past_without_a_head_or_twice(tiny, decoder):
     n = len(list(src.graph))
     res = p(src, PassContext())
     assert not res.modified and "Softmax" in res.notes[0] and len(list(src.graph)) == n
+
+
+def test_a_head_summed_from_two_kernels_is_sliced_once_for_both(tiny):
+    """q8-tables' tied head is the Add of two 4-bit kernels over one hidden state: both read the kept rows."""
+    src = optimize(tiny.build("llama", "causal-lm-with-past"), OptimizeOptions(passes="cleanup")).model
+    out = next(o for o in src.graph.outputs if o.name == "logits")
+    head = out.producer()
+    assert head.op_type == "MatMul"
+    w = head.inputs[1]
+    table = w.const_value.numpy() if w.const_value is not None else w.producer().inputs[0].const_value.numpy().T
+    rng = np.random.default_rng(3)
+    part = rng.standard_normal(table.shape).astype(np.float32) * 0.01
+    halves = []
+    for i, arr in enumerate((table - part, part)):
+        v = ir.Value(name=f"head.part{i}", const_value=ir.tensor(np.ascontiguousarray(arr), name=f"head.part{i}"))
+        src.graph.register_initializer(v)
+        y = ir.Value(name=f"logits.part{i}", type=out.type, shape=out.shape)
+        halves.append(ir.node("MatMul", [head.inputs[0], v], outputs=[y], name=f"head_part{i}"))
+    total = ir.Value(name="logits.sum", type=out.type, shape=out.shape)
+    add = ir.node("Add", [halves[0].outputs[0], halves[1].outputs[0]], outputs=[total], name="head_sum")
+    src.graph.insert_after(head, [*halves, add])
+    src.graph.outputs[list(src.graph.outputs).index(out)] = total
+    src.graph.remove(head, safe=True)
+    out.name, total.name = "logits.unused", "logits"
+    before = make_session(src.clone())
+    res = create("logits-to-keep")(src, PassContext())
+    assert res.modified, res.notes
+    assert "head_part0" in res.notes[0] and "head_part1" in res.notes[0]
+    cut = next(n for n in src.graph if n.name == "logits_to_keep/Slice")
+    assert {n.name for n in cut.outputs[0].consumers()} == {"head_part0", "head_part1"}
+    sess = make_session(src)
+    ids = np.random.default_rng(4).integers(3, 1000, (2, 7)).astype(np.int64)
+    feeds = _feeds(sess, ids)
+    full = before.run(["logits"], feeds)[0]
+    np.testing.assert_allclose(sess.run(["logits"], feeds)[0], full, rtol=1e-4, atol=1e-5)
+    last = sess.run(["logits"], {**feeds, INPUT: np.array(1, np.int64)})[0]
+    assert last.shape[1] == 1
+    np.testing.assert_allclose(last, full[:, -1:], rtol=1e-4, atol=1e-5)
