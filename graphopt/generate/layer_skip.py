@@ -6,7 +6,7 @@ A graph made by the ``layer-skip-draft`` pass carries the exit head as two initi
 draft length and acceptance the pass measured). The runtime cuts the draft graph out of the target
 (``draft_graph``): the nodes that make layer L's input and the presents of layers 0 .. L-1, then::
 
-    h_L ── RMS-normalise (no weight) ── MatMul(map) ── Add(bias) ── the target's LM head node ──▶ logits
+    h_L ── RMS-normalise (no weight) ── MatMul(map) ── Add(bias) ── the target's LM head ──▶ logits
 
 The exit head maps the layer-L hidden state to the final normed hidden state (least squares on the model's own
 greedy text, pass ``layer-skip-draft``) and reuses the target's (tied) LM head, whatever its kind (MatMul,
@@ -48,6 +48,32 @@ def carries_layer_skip(session) -> bool:
     return spec_of(dict(session.get_modelmeta().custom_metadata_map)) is not None
 
 
+_KERNELS = {("", "MatMul"), ("ai.onnx", "MatMul"), ("com.microsoft", "MatMulNBits")}
+
+
+def _kernel(node: ir.Node | None) -> bool:
+    return node is not None and (node.domain, node.op_type) in _KERNELS
+
+
+def head_input(graph: ir.Graph) -> ir.Value | str:
+    """The hidden state the LM head reads, or why it is not found. The head makes ``logits``: one kernel
+    (``MatMul`` / ``MatMulNBits``) or the ``Add`` of two kernels over one input (``q8-tables``' nibble head)."""
+    outs = {o.name: o for o in graph.outputs}
+    node = outs["logits"].producer() if "logits" in outs else None
+    if node is None:
+        return "'logits' is not made by a node (the LM head)"
+    if _kernel(node):
+        reads = [node.inputs[0]]
+    elif node.op_type == "Add" and node.domain in ("", "ai.onnx"):
+        prods = [i.producer() if i is not None else None for i in node.inputs]
+        reads = [p.inputs[0] for p in prods] if all(_kernel(p) for p in prods) else []
+    else:
+        reads = []
+    if not reads or any(r is None or r is not reads[0] for r in reads):
+        return f"'logits' is made by {node.op_type} '{node.name}', not an LM head reading one hidden state"
+    return reads[0]
+
+
 def rms_normalise(x: np.ndarray) -> np.ndarray:
     """What the draft graph does to h_L before the map (numpy, for fitting)."""
     x = x.astype(np.float64)
@@ -64,9 +90,9 @@ def draft_graph(model: ir.Model, layers: int, hidden: str, a: np.ndarray | None 
     if hidden not in values:
         raise UsageError(f"layer-skip: the graph has no value '{hidden}' (the hidden state entering layer {layers})")
     outs = {o.name: o for o in g.outputs}
-    head = outs["logits"].producer() if "logits" in outs else None
-    if head is None:
-        raise UsageError("layer-skip: the graph's 'logits' is not made by a node (the LM head)")
+    final = head_input(g)
+    if isinstance(final, str):
+        raise UsageError(f"layer-skip: {final}")
     presents = [outs[f"present.{i}.{kind}"] for i in range(layers) for kind in ("key", "value")]
 
     def const(name: str, array: np.ndarray | None) -> ir.Value:
@@ -98,18 +124,13 @@ def draft_graph(model: ir.Model, layers: int, hidden: str, a: np.ndarray | None 
     mean = op("ReduceMean", op("Pow", h, two, name="square"), axes, name="mean", keepdims=1)
     normed = op("Div", h, op("Sqrt", op("Add", mean, eps, name="add_eps"), name="rms"), name="normalise")
     y = op("Add", op("MatMul", normed, const(MAP, a), name="map"), const(BIAS, c), name="bias")
-    lm = ir.Node(head.domain, head.op_type, [y, *head.inputs[1:]], attributes=list(head.attributes.values()),
-                 name="layer_skip/lm_head", num_outputs=1)
-    nodes.append(lm)
     g.extend(nodes)
-    old = outs["logits"]
-    old.name = "layer_skip/full_logits"
-    logits = lm.outputs[0]
-    logits.name = "logits"
-    logits.shape, logits.type = old.shape, old.type
+    final.replace_all_uses_with(y)  # the model's own LM head, whatever its form, reads the exit head's output
+    logits = outs["logits"]
     g.outputs.clear()
     g.outputs.extend([logits, *presents])
     ir_passes.RemoveUnusedNodesPass()(model)
+    g.sort()
     keep = {f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")}
     for v in [v for v in g.inputs if v.name.startswith("past_key_values.") and v.name not in keep]:
         if v.uses():

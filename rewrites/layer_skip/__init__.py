@@ -73,8 +73,7 @@ class LayerSkipDraftPass(GraphoptPass):
         hidden = {L: v for L, v in found.items() if not isinstance(v, str)}
         if not hidden:
             return skip("; ".join(f"L={L}: {v}" for L, v in found.items()))
-        head = next(o for o in graph.outputs if o.name == "logits").producer()
-        final = head.inputs[0]
+        final = layer_skip.head_input(graph)  # a value: hidden_width found it
         extra = list(dict.fromkeys([*hidden.values(), final]))
         added = [v for v in extra if v not in graph.outputs]
         graph.outputs.extend(added)  # for collection only

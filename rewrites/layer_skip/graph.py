@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from graphopt.generate import layer_skip
+
 _PAST = "past_key_values."
 
 
@@ -49,13 +51,12 @@ def layer_count(graph: ir.Graph) -> int:
 
 def hidden_width(graph: ir.Graph) -> int | str:
     """The width of the LM head's input (the hidden size), or why it is not known."""
-    outs = {o.name: o for o in graph.outputs}
-    head = outs["logits"].producer() if "logits" in outs else None
-    if head is None or not head.inputs or head.inputs[0] is None:
-        return "'logits' is not made by a node reading the hidden state"
-    shape = head.inputs[0].shape
+    final = layer_skip.head_input(graph)
+    if isinstance(final, str):
+        return final
+    shape = final.shape
     if shape is None or len(shape) != 3 or not isinstance(shape[2], int):
-        return f"the LM head {head.op_type} '{head.name}' does not read a [batch, sequence, hidden] value"
+        return f"the LM head's input '{final.name}' is not a [batch, sequence, hidden] value"
     return int(shape[2])
 
 
