@@ -3,7 +3,7 @@
 Each model gets a session with ``enable_profiling`` (1 thread, spinning off unless ``--threads``), a prefill of
 ``--prompt`` tokens and ``--steps`` decode steps through graphopt's runtime (``Decoder`` + ``KVCache``); only the
 node events of the decode steps are counted (the prefill and the first ``--skip`` steps are dropped; ``--prefill``: the
-``--prompt``-token prefill instead, run ``--steps`` times into fresh caches). Printed per
+``--prompt``-token prefill instead, run ``--steps`` times into fresh caches; ``--batch N``: N rows a step). Printed per
 model: ms per step by op type (kernel time summed over nodes), node count per step, and the step's wall time.
 Works on any graph ``graphopt.generate.signature.read_signature`` accepts (graphopt builds, ONNX Runtime GenAI's
 ``model.onnx``).
@@ -51,7 +51,8 @@ def _signature(sess, path: str):
                           name=path, metadata=meta)
 
 
-def profile(path: str, *, prompt: int, steps: int, skip: int, threads: int, prefill: bool = False) -> dict:
+def profile(path: str, *, prompt: int, steps: int, skip: int, threads: int, prefill: bool = False,
+            batch: int = 1) -> dict:
     import onnxruntime as ort
 
     from graphopt.generate.cache import KVCache
@@ -65,20 +66,22 @@ def profile(path: str, *, prompt: int, steps: int, skip: int, threads: int, pref
     so.profile_file_prefix = os.path.join(tempfile.mkdtemp(prefix="profile_decode."), "p")
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     dec = Decoder(sess, _signature(sess, path))
-    cache = KVCache(dec.sig, 1, prompt + steps + 1)
-    ids = (np.arange(prompt, dtype=np.int64) % 97 + 3)[None, :]
-    logits = dec.step(cache, ids, np.ones((1, prompt), np.int64), np.arange(prompt, dtype=np.int64)[None, :])
+    b = batch  # rows of the same length: row r's prompt is shifted by r token ids
+    cache = KVCache(dec.sig, b, prompt + steps + 1)
+    ids = (np.arange(prompt, dtype=np.int64)[None, :] + np.arange(b, dtype=np.int64)[:, None]) % 97 + 3
+    pos = np.broadcast_to(np.arange(prompt, dtype=np.int64), (b, prompt))
+    logits = dec.step(cache, ids, np.ones((b, prompt), np.int64), pos)
     walls = []
     for _ in range(steps if prefill else 0):  # --prefill: the prompt again into a fresh cache, each run counted
-        cache = KVCache(dec.sig, 1, prompt + 1)
+        cache = KVCache(dec.sig, b, prompt + 1)
         t0 = time.perf_counter()
-        dec.step(cache, ids, np.ones((1, prompt), np.int64), np.arange(prompt, dtype=np.int64)[None, :])
+        dec.step(cache, ids, np.ones((b, prompt), np.int64), pos)
         walls.append(time.perf_counter() - t0)
     for s in range(0 if prefill else steps):
-        tok = np.argmax(logits, axis=-1)[:, None].astype(np.int64)
+        tok = np.argmax(logits, axis=-1).reshape(b, 1).astype(np.int64)
         t0 = time.perf_counter()
-        logits = dec.step(cache, tok, np.ones((1, prompt + s + 1), np.int64),
-                          np.array([[prompt + s]], np.int64))
+        logits = dec.step(cache, tok, np.ones((b, prompt + s + 1), np.int64),
+                          np.full((b, 1), prompt + s, np.int64))
         walls.append(time.perf_counter() - t0)
     trace = sess.end_profiling()
     with open(trace) as f:
@@ -119,11 +122,13 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=0, help="also print the N costliest nodes")
     ap.add_argument("--prefill", action="store_true",
                     help="count the prefill of --prompt tokens (run --steps times) instead of decode steps")
+    ap.add_argument("--batch", type=int, default=1, help="rows per step (equal lengths)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     out = []
     for m in a.models:
-        r = profile(m, prompt=a.prompt, steps=a.steps, skip=a.skip, threads=a.threads, prefill=a.prefill)
+        r = profile(m, prompt=a.prompt, steps=a.steps, skip=a.skip, threads=a.threads, prefill=a.prefill,
+                    batch=a.batch)
         out.append(r)
         total = sum(o["ms"] for o in r["ops"].values())
         print(f"\n{m}: {'prefill' if a.prefill else 'decode step'} wall {r['wall_ms']:.2f} ms, model_run {r['run_ms']:.2f} ms, "
