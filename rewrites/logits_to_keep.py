@@ -28,14 +28,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.analysis import lm_head
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
-from graphopt.opsets import MS_DOMAIN
 
 INPUT = "logits_to_keep"
 #: the symbolic length of the sequence axis of ``logits`` once sliced
 DIM = "logits_positions"
 _WISE = {"Cast", "Add", "Mul", "Div", "Tanh", "Sub"}
-_HEADS = {("", "MatMul"), ("ai.onnx", "MatMul"), (MS_DOMAIN, "MatMulNBits")}
 
 
 def _spans_sequence(v: ir.Value) -> bool:
@@ -62,10 +61,10 @@ def find_head(graph: ir.Graph) -> tuple[list[ir.Node], list[ir.Node]] | str:
         node = v.producer()
         if node is None:
             return "'logits' is a graph input"
-        if (node.domain, node.op_type) in _HEADS:
+        if lm_head.is_kernel(node):
             heads = [node]
             break
-        pair = _summed_heads(node)
+        pair = lm_head.summed_kernels(node)
         if pair is not None:
             if len(v.uses()) != (0 if v is logits else 1):
                 return f"'{v.name}' is read by more than the path to 'logits'"
@@ -87,18 +86,6 @@ def find_head(graph: ir.Graph) -> tuple[list[ir.Node], list[ir.Node]] | str:
     if h is None or h.shape is None or len(h.shape) != 3:
         return f"the LM head '{heads[0].name}' does not read a [batch, sequence, hidden] value"
     return heads, between
-
-
-def _summed_heads(node: ir.Node) -> list[ir.Node] | None:
-    """The two head kernels an ``Add`` sums, both reading one input and read by nothing else, or None."""
-    if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-        return None
-    prods = [i.producer() if i is not None else None for i in node.inputs]
-    if any(p is None or (p.domain, p.op_type) not in _HEADS for p in prods) or prods[0] is prods[1]:
-        return None
-    if prods[0].inputs[0] is not prods[1].inputs[0] or any(len(i.uses()) != 1 for i in node.inputs):
-        return None
-    return prods
 
 
 class LogitsToKeepPass(GraphoptPass):

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 import pytest
+from testmodels import summed_head
 
 from conftest import load_models_module
 from graphopt.engine.options import OptimizeOptions
@@ -120,25 +121,8 @@ def test_declines_without_past_without_a_head_or_twice(tiny, decoder):
 def test_a_head_summed_from_two_kernels_is_sliced_once_for_both(tiny):
     """q8-tables' tied head is the Add of two 4-bit kernels over one hidden state: both read the kept rows."""
     src = optimize(tiny.build("llama", "causal-lm-with-past"), OptimizeOptions(passes="cleanup")).model
-    out = next(o for o in src.graph.outputs if o.name == "logits")
-    head = out.producer()
-    assert head.op_type == "MatMul"
-    w = head.inputs[1]
-    table = w.const_value.numpy() if w.const_value is not None else w.producer().inputs[0].const_value.numpy().T
-    rng = np.random.default_rng(3)
-    part = rng.standard_normal(table.shape).astype(np.float32) * 0.01
-    halves = []
-    for i, arr in enumerate((table - part, part)):
-        v = ir.Value(name=f"head.part{i}", const_value=ir.tensor(np.ascontiguousarray(arr), name=f"head.part{i}"))
-        src.graph.register_initializer(v)
-        y = ir.Value(name=f"logits.part{i}", type=out.type, shape=out.shape)
-        halves.append(ir.node("MatMul", [head.inputs[0], v], outputs=[y], name=f"head_part{i}"))
-    total = ir.Value(name="logits.sum", type=out.type, shape=out.shape)
-    add = ir.node("Add", [halves[0].outputs[0], halves[1].outputs[0]], outputs=[total], name="head_sum")
-    src.graph.insert_after(head, [*halves, add])
-    src.graph.outputs[list(src.graph.outputs).index(out)] = total
-    src.graph.remove(head, safe=True)
-    out.name, total.name = "logits.unused", "logits"
+    assert next(o for o in src.graph.outputs if o.name == "logits").producer().op_type == "MatMul"
+    summed_head(src, seed=3)
     before = make_session(src.clone())
     res = create("logits-to-keep")(src, PassContext())
     assert res.modified, res.notes

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 import pytest
+from testmodels import summed_head
 
 from conftest import load_models_module
 from graphopt import io
@@ -32,28 +33,6 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 5, 17, 99, 3], [901, 44, 12, 600, 31], [8]]
 FAST = {"prompts": 4, "prompt_tokens": 8, "new_tokens": 16, "drafts": 3, "repeats": 1, "threads": 1}
 
 
-def _summed_head(model: ir.Model) -> ir.Model:
-    """The LM head as the Add of two MatMuls over the same input (the form of q8-tables' nibble head)."""
-    g = model.graph
-    out = next(o for o in g.outputs if o.name == "logits")
-    head = out.producer()
-    w = head.inputs[1]
-    table = w.const_value.numpy() if w.const_value is not None else w.producer().inputs[0].const_value.numpy().T
-    part = np.random.default_rng(5).standard_normal(table.shape).astype(np.float32) * 0.01
-    halves = []
-    for i, arr in enumerate((table - part, part)):
-        v = ir.Value(name=f"head.part{i}", const_value=ir.tensor(np.ascontiguousarray(arr), name=f"head.part{i}"))
-        g.register_initializer(v)
-        halves.append(ir.node("MatMul", [head.inputs[0], v], name=f"head_part{i}",
-                              outputs=[ir.Value(name=f"logits.part{i}", type=out.type, shape=out.shape)]))
-    total = ir.Value(name="logits.sum", type=out.type, shape=out.shape)
-    g.insert_after(head, [*halves, ir.node("Add", [h.outputs[0] for h in halves], outputs=[total], name="head_sum")])
-    g.outputs[list(g.outputs).index(out)] = total
-    g.remove(head, safe=True)
-    out.name, total.name = "logits.unused", "logits"
-    return model
-
-
 @pytest.fixture(scope="module", params=["export", "decoder-recipe", "summed-head"])
 def graphs(request, tmp_path_factory):
     """(the model, the model with a layer-skip draft) as files."""
@@ -61,7 +40,7 @@ def graphs(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("ls")
     base = d / "base.onnx"
     model = io.load(src) if request.param == "export" else optimize(src, OptimizeOptions()).model
-    io.save(_summed_head(model) if request.param == "summed-head" else model, base)
+    io.save(summed_head(model) if request.param == "summed-head" else model, base)
     model = io.load(base)
     result = builtin().create("layer-skip-draft", {**FAST, "min_gain": 0.0})(model)
     assert result.modified, result.notes

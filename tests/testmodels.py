@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.engine.registry import GraphoptPass, PassResult
@@ -122,3 +123,26 @@ class RenamesNodes(GraphoptPass):
         for k, node in enumerate(model.graph):
             node.name = f"renamed_{k}"
         return PassResult(model, True)
+
+
+def summed_head(model, *, seed: int = 5):
+    """``model`` (onnx_ir, changed in place and returned) with its LM head ``MatMul`` as the ``Add`` of two MatMuls
+    over the same input, ``head_part0`` / ``head_part1`` (the form of q8-tables' nibble head), the same function."""
+    g = model.graph
+    out = next(o for o in g.outputs if o.name == "logits")
+    head = out.producer()
+    w = head.inputs[1]
+    table = w.const_value.numpy() if w.const_value is not None else w.producer().inputs[0].const_value.numpy().T
+    part = np.random.default_rng(seed).standard_normal(table.shape).astype(np.float32) * 0.01
+    halves = []
+    for i, arr in enumerate((table - part, part)):
+        v = ir.Value(name=f"head.part{i}", const_value=ir.tensor(np.ascontiguousarray(arr), name=f"head.part{i}"))
+        g.register_initializer(v)
+        halves.append(ir.node("MatMul", [head.inputs[0], v], name=f"head_part{i}",
+                              outputs=[ir.Value(name=f"logits.part{i}", type=out.type, shape=out.shape)]))
+    total = ir.Value(name="logits.sum", type=out.type, shape=out.shape)
+    g.insert_after(head, [*halves, ir.node("Add", [h.outputs[0] for h in halves], outputs=[total], name="head_sum")])
+    g.outputs[list(g.outputs).index(out)] = total
+    g.remove(head, safe=True)
+    out.name, total.name = "logits.unused", "logits"
+    return model

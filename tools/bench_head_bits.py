@@ -21,49 +21,27 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphopt.data import heldout  # noqa: E402
 from graphopt.generate import quality  # noqa: E402
 from graphopt.rewrites.quantize import awq, nbits  # noqa: E402
+from graphopt.rewrites.quantize.int4_graph import window_feed  # noqa: E402
+from graphopt.rewrites.speculative_heads.graph import find_lm_head  # noqa: E402
+from graphopt.runtime.session import make_session  # noqa: E402
 
 
-def _head(m: onnx.ModelProto) -> tuple[str, np.ndarray]:
-    """(the head's input name, its [K, V] table) of the MatMul that makes ``logits``."""
-    node = next((n for n in m.graph.node if "logits" in n.output), None)
-    if node is None or node.op_type != "MatMul":
-        raise SystemExit("bench_head_bits: 'logits' is not made by a MatMul (give the fp32 export)")
-    inits = {i.name: i for i in m.graph.initializer}
-    made = {o: n for n in m.graph.node for o in n.output}
-
-    def const(name: str) -> np.ndarray:
-        if name in inits:
-            return numpy_helper.to_array(inits[name])
-        p = made.get(name)
-        if p is not None and p.op_type == "Transpose":
-            return const(p.input[0]).T
-        raise SystemExit(f"bench_head_bits: the head weight {name!r} is not a constant (or its Transpose)")
-    return node.input[0], np.ascontiguousarray(const(node.input[1]), np.float32)
-
-
-def _hidden(sess, name: str, ids: list[int], window: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    names = {i.name: i for i in sess.get_inputs()}
+def _hidden(sess, model: ir.Model, name: str, ids: list[int], window: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The head's input over consecutive windows of ``ids``, each from an empty past, with the window's ids."""
+    names = {i.name for i in sess.get_inputs()}
     out = []
     for a in range(0, len(ids) - 1, window):
         w = np.asarray(ids[a:a + window], np.int64)
-        if len(w) < 2:
-            continue
-        feed = {"input_ids": w[None], "attention_mask": np.ones((1, len(w)), np.int64)}
-        if "position_ids" in names:
-            feed["position_ids"] = np.arange(len(w), dtype=np.int64)[None]
-        for n, i in names.items():
-            if n.startswith("past_key_values."):
-                feed[n] = np.zeros([1] + [d if isinstance(d, int) else 0 for d in i.shape[1:]], np.float32)
-        out.append((sess.run([name], feed)[0][0], w))
+        if len(w) >= 2:
+            feed = {k: v for k, v in window_feed(model, w).items() if k in names}
+            out.append((sess.run([name], feed)[0][0], w))
     return out
 
 
@@ -80,16 +58,18 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--mixed", default="4096,8192,16384", help="R values: the first R token ids in 8 bits")
     args = ap.parse_args()
-    m = onnx.load(args.model)
-    name, table = _head(m)
-    m.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    del m
+    m = ir.load(args.model)
+    found = find_lm_head(m)
+    if isinstance(found, str):
+        raise SystemExit(f"bench_head_bits: {found} (give the fp32 export)")
+    _, h, table = found
+    table = np.ascontiguousarray(table, np.float32)
+    m.graph.outputs.append(h)
+    sess = make_session(m, threads=2)
     texts = {Path(t).name: Path(t).read_text(encoding="utf-8") for t in args.text}
-    rows = {k: _hidden(sess, name, quality.text_ids(t, args.tokenizer, None), args.window) for k, t in texts.items()}
-    calib = np.concatenate([h for h, _ in _hidden(sess, name, quality.text_ids(heldout.TEXT, args.tokenizer, None),
+    rows = {k: _hidden(sess, m, h.name, quality.text_ids(t, args.tokenizer, None), args.window)
+            for k, t in texts.items()}
+    calib = np.concatenate([x for x, _ in _hidden(sess, m, h.name, quality.text_ids(heldout.TEXT, args.tokenizer, None),
                                                   args.window)])
     exact = {k: _ppl(table, r) for k, r in rows.items()}
     first = next(iter(rows))

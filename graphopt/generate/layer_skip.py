@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
+from graphopt.analysis import lm_head
 from graphopt.errors import UsageError
 from graphopt.generate.draft_model import ModelDraft
 from graphopt.generate.loop import Decoder
@@ -48,32 +49,6 @@ def carries_layer_skip(session) -> bool:
     return spec_of(dict(session.get_modelmeta().custom_metadata_map)) is not None
 
 
-_KERNELS = {("", "MatMul"), ("ai.onnx", "MatMul"), ("com.microsoft", "MatMulNBits")}
-
-
-def _kernel(node: ir.Node | None) -> bool:
-    return node is not None and (node.domain, node.op_type) in _KERNELS
-
-
-def head_input(graph: ir.Graph) -> ir.Value | str:
-    """The hidden state the LM head reads, or why it is not found. The head makes ``logits``: one kernel
-    (``MatMul`` / ``MatMulNBits``) or the ``Add`` of two kernels over one input (``q8-tables``' nibble head)."""
-    outs = {o.name: o for o in graph.outputs}
-    node = outs["logits"].producer() if "logits" in outs else None
-    if node is None:
-        return "'logits' is not made by a node (the LM head)"
-    if _kernel(node):
-        reads = [node.inputs[0]]
-    elif node.op_type == "Add" and node.domain in ("", "ai.onnx"):
-        prods = [i.producer() if i is not None else None for i in node.inputs]
-        reads = [p.inputs[0] for p in prods] if all(_kernel(p) for p in prods) else []
-    else:
-        reads = []
-    if not reads or any(r is None or r is not reads[0] for r in reads):
-        return f"'logits' is made by {node.op_type} '{node.name}', not an LM head reading one hidden state"
-    return reads[0]
-
-
 def rms_normalise(x: np.ndarray) -> np.ndarray:
     """What the draft graph does to h_L before the map (numpy, for fitting)."""
     x = x.astype(np.float64)
@@ -90,7 +65,7 @@ def draft_graph(model: ir.Model, layers: int, hidden: str, a: np.ndarray | None 
     if hidden not in values:
         raise UsageError(f"layer-skip: the graph has no value '{hidden}' (the hidden state entering layer {layers})")
     outs = {o.name: o for o in g.outputs}
-    final = head_input(g)
+    final = lm_head.head_input(g)
     if isinstance(final, str):
         raise UsageError(f"layer-skip: {final}")
     presents = [outs[f"present.{i}.{kind}"] for i in range(layers) for kind in ("key", "value")]

@@ -25,6 +25,7 @@ import json
 import numpy as np
 import onnx_ir as ir
 
+from graphopt.analysis import lm_head
 from graphopt.engine.registry import GraphoptPass, PassContext, PassResult, register
 from graphopt.errors import UsageError
 from graphopt.generate import layer_skip
@@ -73,7 +74,7 @@ class LayerSkipDraftPass(GraphoptPass):
         hidden = {L: v for L, v in found.items() if not isinstance(v, str)}
         if not hidden:
             return skip("; ".join(f"L={L}: {v}" for L, v in found.items()))
-        final = layer_skip.head_input(graph)  # a value: hidden_width found it
+        final = lm_head.head_input(graph)  # a value: hidden_width found it
         extra = list(dict.fromkeys([*hidden.values(), final]))
         added = [v for v in extra if v not in graph.outputs]
         graph.outputs.extend(added)  # for collection only

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from graphopt.generate import layer_skip
+from graphopt.analysis import lm_head
 
 _PAST = "past_key_values."
 
@@ -51,7 +51,7 @@ def layer_count(graph: ir.Graph) -> int:
 
 def hidden_width(graph: ir.Graph) -> int | str:
     """The width of the LM head's input (the hidden size), or why it is not known."""
-    final = layer_skip.head_input(graph)
+    final = lm_head.head_input(graph)
     if isinstance(final, str):
         return final
     shape = final.shape
