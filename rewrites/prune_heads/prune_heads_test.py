@@ -204,15 +204,12 @@ def test_bad_options(opts):
         registry.create("prune-heads", opts)
 
 
-MODELS = Path.home() / ".cache" / "graphopt" / "models"
 
 
 @pytest.mark.slow
-def test_minilm_fused_and_padding_removed():
+def test_minilm_fused_and_padding_removed(minilm):
     """MiniLM (TorchScript export): fuse + remove-padding + prune-heads ratio 0.25 (local ranking)."""
-    src = MODELS / "minilm-torchscript-eager.onnx"
-    if not src.exists():
-        pytest.fail(f"{src} missing: run models/minilm.py")
+    src = minilm("torchscript", "eager")  # built into the cache when missing (a fresh machine has none)
     res = pipeline.optimize(src, OptimizeOptions(
         passes="cleanup,fuse,remove-padding,prune-heads",
         overrides=["prune-heads.ratio=0.25", "prune-heads.importance=local"], budget="cosine>=0.95"))
@@ -342,11 +339,9 @@ def _minilm_feeds() -> list[dict[str, np.ndarray]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("export", ["dynamo-sdpa", "dynamo-eager", "torchscript-sdpa", "torchscript-eager"])
-def test_minilm_unfused_exports_exact(export):
+def test_minilm_unfused_exports_exact(export, minilm):
     """Every MiniLM export, unfused: 9 heads removed == the export with their context zeroed."""
-    src = MODELS / f"minilm-{export}.onnx"
-    if not src.exists():
-        pytest.fail(f"{src} missing: run models/minilm.py")
+    src = minilm(*export.split("-"))
     _check_exact(ir.load(src), ir.load(src), _minilm_feeds(), 9)
 
 
