@@ -107,9 +107,12 @@ def test_draft_model_greedy_equals_plain(graphs, tmp_path):
         accepted = 0
         for prompt in PROMPTS:
             plain = generate(dec, prompt, max_new_tokens=20)
-            got = speculative_generate(dec, prompt, max_new_tokens=20, draft_model=draft_path)
+            got = speculative_generate(dec, prompt, max_new_tokens=20, draft="off", draft_model=draft_path)
             assert got.token_ids == plain.token_ids and got.draft == "draft-model"
             accepted += got.accepted
+            # the default mode, lookup: prompt lookup where the context repeats, the draft model elsewhere
+            both = speculative_generate(dec, prompt, max_new_tokens=20, draft_model=draft_path)
+            assert both.token_ids == plain.token_ids and both.draft == "lookup+draft-model"
         if full:  # the model drafting for itself: every checked draft is kept
             assert accepted > 0
 
@@ -176,3 +179,62 @@ def test_policy_charges_draft_forwards():
     assert p.length("m", 4) > 0
     assert p.length("m", 4, draft_seconds=0.001) > 0
     assert p.length("m", 4, draft_seconds=0.009) == 0  # drafting costs almost a step per token: no drafts pay
+
+
+def test_model_draft_times_its_drafting_forwards_not_a_catch_up_chunk(graphs):
+    """A drafted token costs a one- or two-token forward; the chunk a draft feeds after steps that drafted nothing
+    is no measure of it (it made a probing draft look as costly as the whole chunk, and drafting stopped)."""
+    base, _ = graphs
+    from graphopt.generate.cache import KVCache
+
+    draft = ModelDraft(open_decoder(base))
+    draft.attach(KVCache(open_decoder(base).sig, 1, 64))
+    context = [5, 17, 99, 3, 250, 7, 8, 9]
+    assert len(draft.propose(context, 1)) == 1 and draft.seconds_per_token is None  # one forward of 8 tokens
+    out = draft.propose(context, 3)  # the context is fed already: one-token forwards
+    assert len(out) == 3 and draft.seconds_per_token is not None and draft.seconds_per_token > 0
+
+
+def test_a_model_draft_carries_its_acceptance_to_the_next_generation(graphs):
+    base, _ = graphs
+    dec = open_decoder(base)
+    draft = ModelDraft(open_decoder(base))  # the model drafting for itself: every checked draft is kept
+    assert draft.priors[draft.name] == 0.5
+    first = speculative_generate(dec, PROMPTS[0], max_new_tokens=24, draft=draft)
+    assert first.token_ids == generate(dec, PROMPTS[0], max_new_tokens=24).token_ids and first.accepted > 0
+    assert draft.priors[draft.name] > 0.75  # from 0.5: every draft it checked was kept
+    prior = draft.priors[draft.name]
+    again = speculative_generate(dec, PROMPTS[0], max_new_tokens=24, draft=draft)  # starts from what it learnt
+    assert again.token_ids == first.token_ids and draft.priors[draft.name] >= min(prior, 0.75)
+
+
+
+def test_a_draft_of_the_targets_shape_runs_on_its_cache(graphs, tmp_path):
+    """The model's own int4 build as its draft: on a shared-buffer graph the draft binds the target's cache
+    buffers (reads the exact K/V, never prefills the prompt, feeds one token a forward); on a plain export it
+    keeps its own cache and prefills it. Greedy tokens equal plain decoding's either way."""
+    from graphopt.generate.cache import KVCache, SharedLayers
+
+    base, _ = graphs
+    model = io.load(base)
+    assert builtin().create("quantize-int4", {"block_sizes": "32", "accuracy_levels": "4"})(model).modified
+    int4 = tmp_path / "int4.onnx"
+    io.save(model, int4)
+    dec = open_decoder(base)
+    draft = open_draft(int4, dec)
+    widths = []
+    step = draft.decoder.step
+
+    def record(cache, ids, *a, **k):
+        widths.append(ids.shape[1])
+        return step(cache, ids, *a, **k)
+
+    draft.decoder.step = record
+    for prompt in PROMPTS:
+        got = speculative_generate(dec, prompt, max_new_tokens=16, draft=draft)
+        assert got.token_ids == generate(dec, prompt, max_new_tokens=16).token_ids
+    assert widths, "the draft never ran"
+    if dec.sig.shared_buffer:
+        assert isinstance(draft.cache, SharedLayers) and max(widths) == 1
+    else:
+        assert isinstance(draft.cache, KVCache) and max(widths) >= len(PROMPTS[1])

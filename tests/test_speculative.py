@@ -191,3 +191,53 @@ def test_draft_policy_learns_acceptance_and_cost():
         q.observe("k", [1], [1, 5], 2, 0.040)
         q.observe("k", [], [7], 1, 0.010)
     assert q.alpha("k") > 0.75 and q.length("k", 4) == 0
+
+
+def test_policy_rates_a_free_guess_against_a_costly_draft():
+    """``best`` gives each source's count and its expected tokens per step's time, so lookup (free) and a draft
+    model (a forward per token) compare: a sure free guess beats a dear model; a poor one loses to a good model."""
+    from graphopt.generate.draft_policy import DraftPolicy
+
+    p = DraftPolicy(limit=8, prior={"lookup3": 0.9, "lookup1": 0.2, "model": 0.95})
+    for _ in range(5):
+        p.observe("model", [], [7], 1, 0.010)  # a plain step: 10 ms
+        p.observe("model", [1, 2, 3], [1, 2, 3, 4], 4, 0.012)  # a 4-token forward: 1.2x
+    free_sure, free_poor = p.best("lookup3", 8), p.best("lookup1", 8)
+    model = p.best("model", 8, draft_seconds=0.004)  # a draft forward costs 0.4 of a step
+    assert free_sure[0] > 0 and model[0] > 0
+    assert free_sure[1] > model[1] > free_poor[1]
+    assert p.best("model", 8, draft_seconds=0.012) == (0, 1.0)  # dearer than a step: plain
+
+
+def test_lookup_first_equals_plain_with_a_right_or_wrong_model_draft(dec):
+    """LookupFirst: lookup's guess where the context repeats, the model draft elsewhere; either way the tokens are
+    plain decoding's, and the model drafts where lookup has no guess."""
+    from graphopt.generate.draft_model import LookupFirst
+
+    class Model:  # stands in for a ModelDraft: the model's own continuation (right) or garbage (wrong)
+        name, priors = "model", {"model": 0.9}
+
+        def __init__(self, plain, prompt, right):
+            self.plain, self.n, self.right, self.calls = plain, len(prompt), right, 0
+            self.seconds_per_token = None
+
+        def attach(self, cache):
+            pass
+
+        def reset(self):
+            pass
+
+        def propose(self, context, k):
+            self.calls += 1
+            i = len(context) - self.n
+            return self.plain[i:i + k] if self.right else [(t + 1) % 200 for t in self.plain[i:i + k]]
+
+    for prompt in PROMPTS[:2]:
+        plain = generate(dec, prompt, max_new_tokens=16).token_ids
+        for right in (True, False):
+            model = Model(plain + [0] * 16, prompt, right)
+            got = speculative_generate(dec, prompt, max_new_tokens=16, draft=LookupFirst(model))
+            assert got.token_ids == plain and got.draft == "lookup+model"
+            assert model.calls > 0
+            if right:
+                assert got.accepted > 0

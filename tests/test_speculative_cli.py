@@ -95,3 +95,24 @@ def test_draft_model_and_layer_skip_on_the_command_line(run_cli, model_path, tmp
     assert code == 0, err
     got = json.loads(out)
     assert got["token_ids"] == json.loads(plain)["token_ids"] and got["speculative"] == "layer-skip"
+
+
+def test_bench_generate_with_a_draft_model(run_cli, model_path, tmp_path):
+    rep = tmp_path / "gen.json"
+    args = ("bench", "--generate", model_path, "--context", "16", "--max-new-tokens", "12", "--rounds", "1",
+            "--warmup", "1", "--threads", "1", "--no-rss", "--genai", "none")
+    code, out, err = run_cli(*args, "--draft", model_path, "--report", rep)  # the model drafting for itself
+    assert code == 0, err + out
+    doc = json.loads(rep.read_text())
+    plain, spec = doc["results"]
+    assert spec["name"] == "model.onnx +draft" and doc["speculative"] == "draft" and doc["draft"] == str(model_path)
+    assert spec["tokens_equal_plain"] and spec["accepted_per_step"] > 0 and spec["greedy_agreement"] == 12
+    code, out, err = run_cli(*args, "--draft", tmp_path / "none.onnx")
+    assert code == 2 and "no such file" in err
+    code, out, err = run_cli(*args, "--draft", model_path, "--speculative", "lookup", "--report", rep)
+    assert code == 0, err + out
+    spec = json.loads(rep.read_text())["results"][1]
+    assert spec["name"] == "model.onnx +lookup+draft" and spec["tokens_equal_plain"]
+    code, out, err = run_cli(*args, "--draft", model_path, "--speculative", "heads")
+    assert code == 2 and "--draft" in err
+

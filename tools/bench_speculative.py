@@ -2,7 +2,8 @@
 
     python tools/bench_speculative.py q4-decoder.onnx fp32-decoder.onnx --tokenizer $S --threads 1,2 \
         --rounds 2 --new 128 --speculative lookup --report spec.json
-    python tools/bench_speculative.py q4-decoder.onnx --tokenizer $S --draft small-draft.onnx   # a draft model
+    python tools/bench_speculative.py q4-decoder.onnx --tokenizer $S --draft small-draft.onnx   # lookup, else a draft model
+    python tools/bench_speculative.py fp32.onnx --tokenizer $S --draft int4.onnx --speculative off   # the draft model alone
 
 Per thread count and model: one session and one untimed warm-up generation of each kind; per prompt
 (``graphopt/bench/data/speculative_prompts.txt``: chat prompts through the chat template, raw text continuations), ``rounds``
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from graphopt.generate import chat as tokens
-    from graphopt.generate.draft_model import open_draft
+    from graphopt.generate.draft_model import LookupFirst, open_draft
     from graphopt.generate.loop import Decoder, generate
     from graphopt.generate.speculative import speculative_generate
     from graphopt.runtime.session import make_session
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         for model in a.models:
             dec = Decoder(make_session(model, threads=threads, spinning=False), name=str(model))
             draft = open_draft(a.draft, dec, threads=threads) if a.draft else None
+            if draft is not None and a.speculative == "lookup":  # lookup where the text repeats, the model elsewhere
+                draft = LookupFirst(draft)
             for i, p in enumerate(prompts):
                 def plain(p=p, dec=dec):
                     return generate(dec, p["ids"], max_new_tokens=a.new, stop_ids=stops)

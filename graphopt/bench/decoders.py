@@ -22,6 +22,7 @@ import numpy as np
 
 from graphopt.errors import UsageError
 from graphopt.generate.cache import new_cache
+from graphopt.generate.draft_model import LookupFirst, open_draft
 from graphopt.generate.loop import Decoder, generate
 from graphopt.generate.sampling import GREEDY
 from graphopt.generate.speculative import speculative_generate
@@ -77,9 +78,13 @@ class GraphoptVariant(Variant):
     kind = "graphopt"
 
     def __init__(self, path: str | Path, *, name: str, threads: int, stop_ids: Sequence[int],
-                 speculative: str = "off"):
+                 speculative: str = "off", draft: str | None = None):
         self.name, self.model, self.threads, self.speculative = name, str(path), threads, speculative
         self.decoder = Decoder(make_session(path, threads=threads, spinning=False), name=str(path))
+        # a draft decoder file: loaded once, its measured acceptance carried from one generation to the next
+        self.draft = open_draft(draft, self.decoder, threads=threads) if draft else None
+        if self.draft is not None and speculative == "lookup+draft":
+            self.draft = LookupFirst(self.draft)  # prompt lookup where the text repeats, the draft model elsewhere
         self.sampling = GREEDY.masking(list(stop_ids))
         sig = self.decoder.sig
         self.kv_bytes_per_token = 2 * sig.layers * sig.kv_heads * sig.head_dim * np.dtype(sig.dtype).itemsize
@@ -87,7 +92,7 @@ class GraphoptVariant(Variant):
     def generate(self, prompt: Sequence[int], max_new: int) -> Run:
         if self.speculative != "off":
             g = speculative_generate(self.decoder, list(prompt), max_new_tokens=max_new, sampling=self.sampling,
-                                     draft=self.speculative)
+                                     draft=self.draft or self.speculative)
         else:
             g = generate(self.decoder, list(prompt), max_new_tokens=max_new, sampling=self.sampling)
         tokens = list(g.token_ids)
@@ -106,7 +111,7 @@ class GraphoptVariant(Variant):
         return np.stack(rows)
 
     def close(self) -> None:
-        self.decoder = None
+        self.decoder = self.draft = None
 
 
 class _Stamps:

@@ -83,9 +83,12 @@ def prompt_ids(tokenizer, text: str, context: int, source: str) -> list[int]:
 
 def specs(models: Sequence[Path], *, stop_ids: Sequence[int], pad_id: int, hf: Path | None,
           genai: Sequence[str], gguf: Path | None, n_ctx: int, skipped: list[dict],
-          speculative: str = "off", speculative_on: Sequence[str] | None = None, pytorch: bool = True) -> list[Spec]:
+          speculative: str = "off", speculative_on: Sequence[str] | None = None, pytorch: bool = True,
+          draft: Path | None = None) -> list[Spec]:
     """What to load, in table order; every baseline that cannot run is added to ``skipped`` with its reason.
-    ``speculative_on``: the models (file names or paths) that also run with the draft (None: every model)."""
+    ``speculative_on``: the models (file names or paths) that also run with the draft (None: every model);
+    ``draft``: a draft decoder file, the draft of those models (``speculative`` is then "draft", or
+    "lookup+draft": prompt lookup where the text repeats, the draft model elsewhere)."""
     wanted = None if speculative_on is None else {str(x) for x in speculative_on}
     if wanted is not None:
         unknown = wanted - {m.name for m in models} - {str(m) for m in models}
@@ -102,8 +105,11 @@ def specs(models: Sequence[Path], *, stop_ids: Sequence[int], pad_id: int, hf: P
         out.append(Spec("graphopt", {"path": str(m), "name": name, "stop_ids": list(stop_ids)}))
         if speculative != "off" and (wanted is None or m.name in wanted or str(m) in wanted):
             # the same model with a draft, interleaved with its plain decoding
-            out.append(Spec("graphopt", {"path": str(m), "name": f"{name} +{speculative}", "stop_ids": list(stop_ids),
-                                         "speculative": speculative}))
+            args = {"path": str(m), "name": f"{name} +{speculative}", "stop_ids": list(stop_ids),
+                    "speculative": speculative}
+            if draft is not None:
+                args["draft"] = str(draft)
+            out.append(Spec("graphopt", args))
 
     def skip(name: str, why: str) -> None:
         skipped.append({"name": name, "reason": why})
@@ -234,6 +240,7 @@ def bench_generate(
     speculative: str = "off",
     speculative_on: Sequence[str] | None = None,
     pytorch: bool = True,
+    draft: str | os.PathLike | None = None,
 ) -> dict:
     """Benchmark decoders and their peers (module docstring); returns the JSON document."""
     # spinning off for the OpenMP pools too (llama.cpp's, PyTorch's), as for ORT's: read when they load
@@ -244,6 +251,17 @@ def bench_generate(
     for m in models:
         if not m.is_file():
             raise MissingFileError(f"{m}: no such file")
+    if draft is not None:
+        draft = Path(draft)
+        if not draft.is_file():
+            raise MissingFileError(f"{draft}: no such file" if not draft.exists() else f"{draft}: is a folder, not an ONNX file")
+        if speculative not in ("off", "draft", "lookup", "lookup+draft"):
+            raise UsageError(f"--draft runs the draft model; --speculative {speculative} names another draft",
+                             hint="give --speculative lookup (lookup where the text repeats, the model elsewhere) "
+                                  "or leave it out")
+        speculative = "lookup+draft" if speculative.startswith("lookup") else "draft"
+    elif speculative in ("draft", "lookup+draft"):
+        raise UsageError(f"--speculative {speculative} needs --draft DRAFT.onnx")
     if rounds < 1 or warmup < 0 or max_new_tokens < 1:
         raise UsageError("--rounds and --max-new-tokens must be at least 1, --warmup at least 0")
     hf = Path(hf) if hf is not None else None
@@ -258,7 +276,8 @@ def bench_generate(
     skipped: list[dict] = []
     spec_list = specs(models, stop_ids=stops, pad_id=tokens_mod.pad_id(tok), hf=hf, genai=genai,
                       gguf=Path(gguf) if gguf else None, n_ctx=max(context + max_new_tokens, ppl_window) + 8,
-                      skipped=skipped, speculative=speculative, speculative_on=speculative_on, pytorch=pytorch)
+                      skipped=skipped, speculative=speculative, speculative_on=speculative_on, pytorch=pytorch,
+                      draft=draft)
     peaks: dict[str, float | None] = {}
     if rss:  # before any timing: one process per variant, one after another
         for sp in spec_list:
@@ -305,6 +324,6 @@ def bench_generate(
         "ppl_text": str(ppl_text) if ppl_text else None, "ppl_window": ppl_window if ppl_text else None,
         "rss": f"peak RSS of a process of its own per variant, at {threads[0]} thread(s)" if rss else None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_average": list(os.getloadavg()),
-        "speculative": speculative,
+        "speculative": speculative, "draft": str(draft) if draft is not None else None,
         "skipped": skipped, "results": rows,
     }

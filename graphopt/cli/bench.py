@@ -74,6 +74,10 @@ def command(
     pytorch: Annotated[bool, typer.Option(
         "--pytorch/--no-pytorch", help="With --hf: also run the PyTorch eager fp32 reference.",
         rich_help_panel=_GEN)] = True,
+    draft: Annotated[Path | None, typer.Option(
+        "--draft", help="With --generate: also run each model (or those --speculative-on names) with this draft "
+        "decoder (the same tokenizer, e.g. the model's int4 build), interleaved with its plain decoding.",
+        metavar="DRAFT.onnx", rich_help_panel=_GEN)] = None,
 ) -> None:
     """Benchmark MODELS interleaved round-robin (intra-op spinning off): p50/p90 per round,
     throughput (batch items per second) and each model's speed-up over the first.
@@ -122,7 +126,7 @@ def command(
                            warmup=1 if warmup is None else warmup, ppl_text=ppl_text, ppl_window=ppl_window,
                            rss=rss, report=report, json_=json_, speculative=speculative,
                            speculative_on=None if speculative_on is None else [x for x in speculative_on.split(",") if x],
-                           pytorch=pytorch)
+                           pytorch=pytorch, draft=draft)
         return
     if report is not None:
         raise UsageError("--report is for --generate; plain bench prints JSON with --json")

@@ -11,7 +11,8 @@ import typer
 def run(models: list[Path], *, tokenizer: Path | None, hf: Path | None, genai: str, gguf: Path | None, context: int,
         prompt_file: Path | None, max_new_tokens: int, threads: list[int], rounds: int, warmup: int,
         ppl_text: Path | None, ppl_window: int, rss: bool, report: Path | None, json_: bool,
-        speculative: str = "off", speculative_on: list[str] | None = None, pytorch: bool = True) -> None:
+        speculative: str = "off", speculative_on: list[str] | None = None, pytorch: bool = True,
+        draft: Path | None = None) -> None:
     from graphopt.bench.generate_bench import bench_generate
     from graphopt.bench.harness import write_json
     from graphopt.bench.peers import GENAI_PRECISIONS
@@ -25,7 +26,7 @@ def run(models: list[Path], *, tokenizer: Path | None, hf: Path | None, genai: s
     doc = bench_generate(models, tokenizer=tokenizer, hf=hf, genai=precisions, gguf=gguf, context=context,
                          prompt_file=prompt_file, max_new_tokens=max_new_tokens, threads=threads, rounds=rounds,
                          warmup=warmup, ppl_text=ppl_text, ppl_window=ppl_window, rss=rss, speculative=speculative,
-                         speculative_on=speculative_on, pytorch=pytorch)
+                         speculative_on=speculative_on, pytorch=pytorch, draft=draft)
     if report is not None:
         tmp = report.with_name(f".{report.name}.tmp")
         write_json(tmp, doc)

@@ -39,6 +39,10 @@ class DraftPolicy:
         # the prior counts as two checked tokens, so a few observations outweigh it
         return (self._kept.get(key, 0.0) + 2 * prior) / (checked + 2)
 
+    def checked(self, key: Hashable) -> float:
+        """The (decayed) number of ``key``'s drafted tokens checked so far."""
+        return self._checked.get(key, 0.0)
+
     def ratio(self, width: int) -> float:
         """Seconds of a forward of ``width`` tokens over a one-token forward's (measured, else priced)."""
         if width <= 1:
@@ -55,6 +59,11 @@ class DraftPolicy:
     def length(self, key: Hashable, available: int, draft_seconds: float | None = None) -> int:
         """How many of ``available`` drafted tokens to check now (``draft_seconds``: what drafting one token
         costs, a draft model's forward; charged against a one-token step once one was timed)."""
+        return self.best(key, available, draft_seconds)[0]
+
+    def best(self, key: Hashable, available: int, draft_seconds: float | None = None) -> tuple[int, float]:
+        """(count, expected new tokens per one-token step's time) of the best count, as ``length``; (0, 1.0):
+        a plain step. Two sources of drafts compare by the rate."""
         a = self.alpha(key)
         one = self._seconds.get(1)
         cost = draft_seconds / one if draft_seconds and one else 0.0
@@ -65,7 +74,7 @@ class DraftPolicy:
             rate = expected / (self.ratio(k + 1) + k * cost)
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best, best_rate
 
     def observe(self, key: Hashable, proposal: Sequence[int], made: Sequence[int], width: int, seconds: float) -> None:
         """After a step: the model made ``made`` where the draft proposed ``proposal`` (fed or not), in a
@@ -73,6 +82,11 @@ class DraftPolicy:
         d = self.decay
         prev = self._seconds.get(width)
         self._seconds[width] = seconds if prev is None else d * prev + (1 - d) * seconds
+        self.judge(key, proposal, made)
+
+    def judge(self, key: Hashable, proposal: Sequence[int], made: Sequence[int]) -> None:
+        """Score a proposal against the tokens the model made (fed or not): its key's acceptance."""
+        d = self.decay
         n = min(len(proposal), len(made))
         if n == 0:
             return

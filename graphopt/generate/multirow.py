@@ -9,7 +9,9 @@ decoding's (rarely, where two logits are within rounding). The runtime says so (
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import onnx_ir as ir
 
@@ -33,17 +35,28 @@ def int4_rows_differ(model: ir.Model) -> bool:
 
 
 def multirow_warning(decoder) -> str | None:
-    """The warning for speculative decoding on ``decoder``'s graph (None: multi-token forwards are exact), logged."""
+    """The warning for speculative decoding on ``decoder``'s graph (None: multi-token forwards are exact), logged.
+    The graph is read once per file (and again when the file changes), not once per generation."""
     path = model_path(decoder.session)
     if path is None:
         return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    msg = _file_warning(str(path), st.st_mtime_ns, st.st_size)
+    if msg is not None:
+        logger.warning(msg)
+    return msg
+
+
+@functools.lru_cache(maxsize=16)
+def _file_warning(path: str, mtime_ns: int, size: int) -> str | None:
     try:
         model = ir.load(path)
     except Exception:  # the session loaded it; an unreadable copy only loses the warning
         return None
     if not int4_rows_differ(model):
         return None
-    msg = ("the graph has MatMulNBits accuracy_level 4, which computes a multi-token forward differently from "
-           "single tokens: speculative output may differ from plain decoding")
-    logger.warning(msg)
-    return msg
+    return ("the graph has MatMulNBits accuracy_level 4, which computes a multi-token forward differently from "
+            "single tokens: speculative output may differ from plain decoding")

@@ -22,7 +22,10 @@ and the forward's cost per width measured as it goes (a draft that keeps missing
 cost much, falls back to plain steps); a draft with no guess costs a plain step. A draft that is a model (the
 layer-skip draft, ``--draft``: ``draft_model.ModelDraft``) costs a forward per drafted token: the policy decides
 the count before it drafts, charging that cost, and a draft it has stopped using still drafts one token every
-``PROBE_EVERY`` steps so its acceptance stays measured.
+``PROBE_EVERY`` steps (every step until its first few tokens were judged) so its acceptance stays measured; the
+acceptance it reached is the next generation's prior. ``--draft`` with ``--speculative lookup``
+(``draft_model.LookupFirst``) checks prompt lookup's free guess first and drafts with the model where lookup has
+none, or one that promises fewer tokens per second (``DraftPolicy.best``); a guess not checked is still judged.
 Timings as ``loop.generate``; ``accepted_per_step`` is the mean number of draft tokens kept per verifying forward
 (``tokens_per_step``: new tokens per decode forward, at least 1).
 """
@@ -37,7 +40,7 @@ import numpy as np
 
 from graphopt.errors import UsageError
 from graphopt.generate.cache import KVCache
-from graphopt.generate.draft_model import open_draft
+from graphopt.generate.draft_model import LookupFirst, open_draft
 from graphopt.generate.draft_policy import DraftPolicy
 from graphopt.generate.layer_skip import LayerSkipDraft, carries_layer_skip
 from graphopt.generate.lookup import Draft, PromptLookup
@@ -51,8 +54,9 @@ from graphopt.generate.sampling import GREEDY, Sampler, Sampling
 #: ``heads``: the Medusa heads, ``medusa.py``; ``layer-skip``: ``layer_skip.py``); a separate draft model:
 #: ``draft_model=`` (``--draft``)
 MODES = ("auto", "heads", "layer-skip", "lookup", "off")
-#: a costly draft (a model) that chose no drafts for this many steps drafts one token, to keep judging it
-PROBE_EVERY = 8
+#: a costly draft (a model) that chose no drafts for this many steps drafts one token, to keep judging it;
+#: every step while fewer than ``WARM_CHECKS`` of its tokens were checked (a first judgement comes quickly)
+PROBE_EVERY, WARM_CHECKS = 8, 4
 
 
 @dataclasses.dataclass
@@ -89,8 +93,13 @@ def make_draft(mode: str | Draft, decoder=None, draft_model=None) -> Draft | Non
     if draft_model is not None:
         if decoder is None:
             raise UsageError("--draft: the draft model is checked against the model; no decoder was given")
+        if mode not in ("auto", "lookup", "off"):
+            raise UsageError(f"--draft drafts with a model; --speculative {mode} names another draft",
+                             hint="give --speculative lookup (lookup where the text repeats, the model elsewhere) "
+                                  "or leave it out")
         threads = decoder.session.get_session_options().intra_op_num_threads or None
-        return open_draft(draft_model, decoder, threads=threads)
+        model = open_draft(draft_model, decoder, threads=threads)
+        return LookupFirst(model) if mode == "lookup" else model
     if mode not in MODES:
         raise UsageError(f"--speculative: unknown mode {mode!r}", hint=f"use {'|'.join(MODES)}")
     if mode == "off":
@@ -222,16 +231,25 @@ def speculative_generate(
     while not done:
         past = cache.length  # every token but the last is in the cache
         room = min(max_new_tokens - len(out) - 1, cache.free - 1, max_draft, getattr(src, "max_draft", max_draft))
-        if costly:  # drafting costs forwards: decide how many first (the first step is plain: it times width 1)
-            key = src.name
+        drafts: list[int] = []
+        free = getattr(src, "free_guess", None) if costly else src.propose_keyed
+        rate, guess = 1.0, None
+        if free is not None:  # a guess that costs no forward (prompt lookup), checked where it is likely kept
+            key, proposal = free(context, room) if room > 0 else (None, [])
+            count, rate = policy.best(key, len(proposal))
+            drafts = proposal[:count]
+        # drafting with a model costs forwards: decide how many first (the first step is plain: it times width 1);
+        # with a free guess too (LookupFirst), the model drafts where it promises more tokens per second
+        if costly and (not drafts or policy.best(src.name, room, src.seconds_per_token)[1] > rate):
+            if free is not None and proposal:
+                guess = (key, proposal)  # not checked: judged against the tokens made all the same
+            key, drafts = src.name, []
             want = policy.length(key, room, src.seconds_per_token) if result.steps else 0
             idle = 0 if want else idle + 1
-            if result.steps and room > 0 and not want and idle >= PROBE_EVERY:
+            every = PROBE_EVERY if policy.checked(key) >= WARM_CHECKS else 1
+            if result.steps and room > 0 and not want and idle >= every:
                 want, idle = 1, 0
-            proposal = src.propose(context, want) if want else []
-        else:
-            key, proposal = src.propose_keyed(context, room) if room > 0 else (None, [])
-        drafts = proposal[:policy.length(key, len(proposal))] if not costly else proposal
+            proposal = drafts = src.propose(context, want) if want else []
         feed = np.asarray([[context[-1], *drafts]], np.int64)
         width = feed.shape[1]
         t = time.perf_counter()
@@ -241,11 +259,15 @@ def speculative_generate(
         new, accepted = verify(sampler, logits, drafts)
         cache.rollback(past + 1 + accepted)
         policy.observe(key, proposal, new, width, seconds)
+        if guess is not None:
+            policy.judge(*guess, new)
         result.steps += 1
         result.drafted += len(drafts)
         result.accepted += accepted
         done = emit(new)
         t_last = time.perf_counter()
+    if costly and policy.checked(src.name) >= WARM_CHECKS:
+        src.priors[src.name] = policy.alpha(src.name)  # the next generation with this draft starts from it
     result.prefill_ms = (t_first - t0) * 1e3
     made = len(out) - 1
     result.decode_tokens_per_s = made / (t_last - t_first) if made > 0 and t_last > t_first else None
