@@ -38,9 +38,11 @@ def command(
                                              "(the graph's first layers and exit head, pass layer-skip-draft), auto "
                                              "(heads, else layer-skip when the graph carries them, else lookup), or "
                                              "off.")] = "off",
-    draft: Annotated[Path | None, typer.Option("--draft", help="A smaller decoder (.onnx, the same tokenizer) "
-                                               "that drafts tokens for the model to check (implies speculative "
-                                               "decoding).")] = None,
+    draft: Annotated[Path | None, typer.Option("--draft", help="A draft decoder (.onnx, the same tokenizer: a "
+                                               "smaller model, or this model's int4 build, which runs on the "
+                                               "model's KV cache) that drafts tokens for the model to check "
+                                               "(implies speculative decoding; with --speculative lookup, prompt "
+                                               "lookup where the text repeats).")] = None,
 ) -> None:
     """Generate text with a decoder and its KV cache: prefill the prompt, then one decode step per token.
 
