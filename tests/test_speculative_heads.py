@@ -143,8 +143,8 @@ def test_the_multirow_check_reads_a_graph_once_per_file(gqa, monkeypatch):
     from graphopt.generate import multirow
 
     loads = []
-    real = multirow.ir.load
-    monkeypatch.setattr(multirow.ir, "load", lambda path, *a, **k: loads.append(path) or real(path, *a, **k))
+    real = multirow.io.load
+    monkeypatch.setattr(multirow.io, "load", lambda path, *a, **k: loads.append(path) or real(path, *a, **k))
     multirow._file_warning.cache_clear()
     dec = open_decoder(gqa)
     for _ in range(3):

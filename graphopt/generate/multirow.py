@@ -15,6 +15,7 @@ import os
 
 import onnx_ir as ir
 
+from graphopt import io
 from graphopt.runtime.ort_compat import model_path
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ def multirow_warning(decoder) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _file_warning(path: str, mtime_ns: int, size: int) -> str | None:
-    try:
-        model = ir.load(path)
+    try:  # the weights stay in the file (only node attributes are read): no copy of a large model in memory
+        model = io.load(path, in_place=True)
     except Exception:  # the session loaded it; an unreadable copy only loses the warning
         return None
     if not int4_rows_differ(model):
