@@ -240,11 +240,12 @@ def speculative_generate(
             drafts = proposal[:count]
         # drafting with a model costs forwards: decide how many first (the first step is plain: it times width 1);
         # with a free guess too (LookupFirst), the model drafts where it promises more tokens per second
-        if costly and (not drafts or policy.best(src.name, room, src.seconds_per_token)[1] > rate):
+        model = policy.best(src.name, room, src.seconds_per_token) if costly else (0, 1.0)
+        if costly and (not drafts or model[1] > rate):
             if free is not None and proposal:
                 guess = (key, proposal)  # not checked: judged against the tokens made all the same
             key, drafts = src.name, []
-            want = policy.length(key, room, src.seconds_per_token) if result.steps else 0
+            want = model[0] if result.steps else 0
             idle = 0 if want else idle + 1
             every = PROBE_EVERY if policy.checked(key) >= WARM_CHECKS else 1
             if result.steps and room > 0 and not want and idle >= every:
