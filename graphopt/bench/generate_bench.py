@@ -37,6 +37,7 @@ from graphopt.bench.perplexity import DEFAULT_WINDOW, perplexity, read_text
 from graphopt.bench.rss_probe import probe
 from graphopt.errors import GraphoptError, MissingFileError, UsageError
 from graphopt.generate import chat as tokens_mod
+from graphopt.generate.loop import decoder_file
 
 logger = logging.getLogger(__name__)
 
@@ -252,9 +253,7 @@ def bench_generate(
         if not m.is_file():
             raise MissingFileError(f"{m}: no such file")
     if draft is not None:
-        draft = Path(draft)
-        if not draft.is_file():
-            raise MissingFileError(f"{draft}: no such file" if not draft.exists() else f"{draft}: is a folder, not an ONNX file")
+        draft = decoder_file(draft)
         if speculative not in ("off", "draft", "lookup", "lookup+draft"):
             raise UsageError(f"--draft runs the draft model; --speculative {speculative} names another draft",
                              hint="give --speculative lookup (lookup where the text repeats, the model elsewhere) "

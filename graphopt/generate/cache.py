@@ -157,15 +157,15 @@ class SharedLayers:
 
     @staticmethod
     def fits(target: KVCache, sig: DecoderSignature) -> bool:
-        """Whether a graph of ``sig`` can run on ``target``'s buffers: both share past and present in float
-        buffers of the same heads, width and dtype, its cache names are the target's first ones, and it takes
+        """Whether a graph of ``sig`` can run on ``target``'s buffers: both share past and present in buffers of
+        the same heads, width, dtype and quantization (bits), its cache names are the target's first ones, and it takes
         as many positions as the buffers hold (a draft model of the same architecture: the target's own layers
         in another form, e.g. its int4 build)."""
         t = target.sig
         names = t.cache_names
-        return (bool(target._shared) and sig.shared_buffer and sig.kv_bits is None and t.kv_bits is None
-                and sig.kivi is None and (sig.kv_heads, sig.head_dim, np.dtype(sig.dtype)) == (t.kv_heads, t.head_dim,
-                                                                                               np.dtype(t.dtype))
+        same_form = (sig.kv_heads, sig.head_dim, np.dtype(sig.dtype), sig.kv_bits) == (
+            t.kv_heads, t.head_dim, np.dtype(t.dtype), t.kv_bits)
+        return (bool(target._shared) and sig.shared_buffer and sig.kivi is None and same_form
                 and sig.cache_names == names[:len(sig.cache_names)]
                 and (sig.max_positions is None or sig.max_positions >= target.max_length))
 

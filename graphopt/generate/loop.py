@@ -106,15 +106,20 @@ class Decoder:
         return logits if all_positions else last_logits(logits)
 
 
+def decoder_file(path: str | os.PathLike) -> Path:
+    """``path`` as a Path; MissingFileError (one line, exit 2) when it is missing or a folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path}: no such file" if not path.exists() else f"{path}: is a folder, not an ONNX file")
+    return path
+
+
 def open_decoder(session_or_path, *, threads: int | None = None) -> Decoder:
     """A Decoder over a session, or over a new CPU session of an ONNX file."""
     if isinstance(session_or_path, Decoder):
         return session_or_path
     if isinstance(session_or_path, (str, os.PathLike)):
-
-        path = Path(session_or_path)
-        if not path.is_file():
-            raise MissingFileError(f"{path}: no such file" if not path.exists() else f"{path}: is a folder, not an ONNX file")
+        path = decoder_file(session_or_path)
         return Decoder(make_session(path, threads=threads), name=str(path))
     return Decoder(session_or_path)
 

@@ -12,9 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from graphopt.errors import MissingFileError
 from graphopt.generate import chat as tokens
-from graphopt.generate.loop import Generation, generate, open_decoder
+from graphopt.generate.loop import Generation, decoder_file, generate, open_decoder
 from graphopt.generate.sampling import GREEDY, Sampling
 from graphopt.generate.speculative import speculative_generate
 
@@ -72,9 +71,7 @@ def generate_text(
     missing model or tokenizer, a graph that is not a decoder with past, a prompt over the model's maximum.
     ``speculative``: a draft mode of ``speculative.MODES`` (``off``: plain decoding); ``draft``: a draft decoder
     file (speculative decoding with it, whatever ``speculative`` says)."""
-    model = Path(model)
-    if not model.is_file():
-        raise MissingFileError(f"{model}: no such file" if not model.exists() else f"{model}: is a folder, not an ONNX file")
+    model = decoder_file(model)
     folder = tokens.tokenizer_folder(model, tokenizer)
     tok = tokens.load_tokenizer(folder)
     prompt_ids = tokens.encode(tok, prompt, chat=chat)
@@ -86,9 +83,7 @@ def generate_text(
     deltas = _Deltas(tok, on_text) if on_text is not None else None
     limit = tokens.max_positions(tok, *folders)
     if draft is not None:
-        draft = Path(draft)
-        if not draft.is_file():
-            raise MissingFileError(f"{draft}: no such file" if not draft.exists() else f"{draft}: is a folder, not an ONNX file")
+        draft = decoder_file(draft)
     if speculative != "off" or draft is not None:
         result = speculative_generate(decoder, prompt_ids, max_new_tokens=max_new_tokens, draft=speculative,
                                       draft_model=draft,
