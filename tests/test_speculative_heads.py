@@ -132,9 +132,12 @@ def test_warns_on_matmulnbits_accuracy_level_4(gqa, tmp_path, caplog):
     io.save(result.model, path)
     with caplog.at_level(logging.WARNING, logger="graphopt.generate.multirow"):
         g = speculative_generate(str(path), PROMPTS[0], max_new_tokens=6)
+        again = speculative_generate(str(path), PROMPTS[1], max_new_tokens=6)
     assert g.warning and "accuracy_level 4" in g.warning
+    assert again.warning == g.warning  # every generation carries it
     assert g.as_dict()["speculative_warning"] == g.warning
-    assert any("accuracy_level 4" in r.getMessage() for r in caplog.records)
+    # logged once per file, not once per generation (a benchmark's log repeated it for every round)
+    assert sum("accuracy_level 4" in r.getMessage() for r in caplog.records) == 1
     assert speculative_generate(str(gqa), PROMPTS[0], max_new_tokens=6).warning is None
 
 
