@@ -238,3 +238,29 @@ def test_a_draft_of_the_targets_shape_runs_on_its_cache(graphs, tmp_path):
         assert isinstance(draft.cache, SharedLayers) and max(widths) == 1
     else:
         assert isinstance(draft.cache, KVCache) and max(widths) >= len(PROMPTS[1])
+
+
+def test_auto_takes_the_draft_saved_beside_the_model(graphs, tmp_path):
+    """``--speculative auto``: NAME.draft.onnx beside NAME.onnx is the draft (prompt lookup first); without one
+    the graph's own drafts or prompt lookup as before; a draft file does not look for a draft of its own."""
+    import shutil
+
+    from graphopt.generate.speculative import sibling_draft
+
+    base, _ = graphs
+    target = tmp_path / "model.onnx"
+    shutil.copy(base, target)
+    dec = open_decoder(target)
+    assert sibling_draft(dec) is None
+    plain = [generate(dec, p, max_new_tokens=16).token_ids for p in PROMPTS]
+    assert speculative_generate(dec, PROMPTS[0], max_new_tokens=16, draft="auto").draft == "lookup"
+    model = io.load(base)
+    assert builtin().create("quantize-int4", {"block_sizes": "32", "accuracy_levels": "4"})(model).modified
+    io.save(model, tmp_path / "model.draft.onnx")
+    assert sibling_draft(dec) == tmp_path / "model.draft.onnx"
+    for prompt, want in zip(PROMPTS, plain):
+        got = speculative_generate(dec, prompt, max_new_tokens=16, draft="auto")
+        assert got.draft == "lookup+draft-model" and got.token_ids == want
+    assert sibling_draft(open_decoder(tmp_path / "model.draft.onnx")) is None
+    # another mode named explicitly is not replaced by the file
+    assert speculative_generate(dec, PROMPTS[0], max_new_tokens=8, draft="lookup").draft == "lookup"

@@ -66,8 +66,9 @@ def command(
     report: Annotated[Path | None, typer.Option("--report", help="With --generate: write the JSON document to "
                                                 "FILE.", metavar="FILE", rich_help_panel=_GEN)] = None,
     speculative: Annotated[str, typer.Option(
-        "--speculative", help="With --generate: also run each model with this draft (auto, heads, layer-skip, lookup), interleaved "
-        "with its plain decoding; adds accepted_per_step and the speed-up.", rich_help_panel=_GEN)] = "off",
+        "--speculative", help="With --generate: also run each model with this draft (auto, heads, layer-skip, lookup; auto takes "
+        "the model's NAME.draft.onnx beside it first), interleaved with its plain decoding; adds accepted_per_step "
+        "and the speed-up.", rich_help_panel=_GEN)] = "off",
     speculative_on: Annotated[str | None, typer.Option(
         "--speculative-on", help="With --speculative: only these models (comma list of file names or paths) also "
         "run with the draft [default: every model].", rich_help_panel=_GEN)] = None,

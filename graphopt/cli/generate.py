@@ -36,8 +36,9 @@ def command(
                                              "(greedy tokens are plain decoding's; batch 1): lookup (prompt lookup), "
                                              "heads (the graph's Medusa heads, pass speculative-heads), layer-skip "
                                              "(the graph's first layers and exit head, pass layer-skip-draft), auto "
-                                             "(heads, else layer-skip when the graph carries them, else lookup), or "
-                                             "off.")] = "off",
+                                             "(the draft decoder NAME.draft.onnx beside NAME.onnx with lookup first, "
+                                             "else heads, else layer-skip when the graph carries them, else "
+                                             "lookup), or off.")] = "off",
     draft: Annotated[Path | None, typer.Option("--draft", help="A draft decoder (.onnx, the same tokenizer: a "
                                                "smaller model, or this model's int4 build, which runs on the "
                                                "model's KV cache) that drafts tokens for the model to check "

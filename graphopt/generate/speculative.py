@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -48,12 +49,17 @@ from graphopt.generate.loop import Generation, OnToken, check_prompt, generate, 
 from graphopt.generate.medusa import MedusaDraft, heads_of
 from graphopt.generate.multirow import multirow_warning
 from graphopt.generate.sampling import GREEDY, Sampler, Sampling
+from graphopt.runtime.ort_compat import model_path
 
-#: the draft sources ``--speculative`` names (``auto``: the graph's Medusa heads when it carries them
-#: (``speculative-heads`` pass), else its layer-skip draft (``layer-skip-draft`` pass), else prompt lookup;
-#: ``heads``: the Medusa heads, ``medusa.py``; ``layer-skip``: ``layer_skip.py``); a separate draft model:
+#: the draft sources ``--speculative`` names (``auto``: the draft decoder saved beside the model
+#: (``sibling_draft``), with prompt lookup first where the text repeats; else the graph's Medusa heads when it
+#: carries them (``speculative-heads`` pass), else its layer-skip draft (``layer-skip-draft`` pass), else prompt
+#: lookup; ``heads``: the Medusa heads, ``medusa.py``; ``layer-skip``: ``layer_skip.py``); a separate draft model:
 #: ``draft_model=`` (``--draft``)
 MODES = ("auto", "heads", "layer-skip", "lookup", "off")
+#: ``NAME.onnx``'s draft decoder, found by ``auto``: ``NAME`` + this (e.g. its ``int4`` build, written there by
+#: ``graphopt optimize SRC -o NAME.draft.onnx --recipe int4``)
+DRAFT_SUFFIX = ".draft.onnx"
 #: a costly draft (a model) that chose no drafts for this many steps drafts one token, to keep judging it;
 #: every step while fewer than ``WARM_CHECKS`` of its tokens were checked (a first judgement comes quickly)
 PROBE_EVERY, WARM_CHECKS = 8, 4
@@ -86,10 +92,23 @@ class SpeculativeGeneration(Generation):
         return d
 
 
+def sibling_draft(decoder) -> Path | None:
+    """The draft decoder saved beside ``decoder``'s file: ``NAME.draft.onnx`` for ``NAME.onnx`` (None: there is
+    none, the model was not loaded from a file, or it is itself a draft)."""
+    path = model_path(decoder.session) if decoder is not None else None
+    if path is None or Path(path).name.endswith(DRAFT_SUFFIX):
+        return None
+    found = Path(path).with_name(Path(path).stem + DRAFT_SUFFIX)
+    return found if found.is_file() else None
+
+
 def make_draft(mode: str | Draft, decoder=None, draft_model=None) -> Draft | None:
     """The draft of a ``--speculative`` mode (None: ``off``); ``draft_model``: a draft decoder file (``--draft``)."""
     if isinstance(mode, Draft):
         return mode
+    if draft_model is None and mode == "auto":
+        draft_model = sibling_draft(decoder)
+        mode = "lookup" if draft_model is not None else mode  # measured best: lookup where it repeats, else the model
     if draft_model is not None:
         if decoder is None:
             raise UsageError("--draft: the draft model is checked against the model; no decoder was given")
