@@ -55,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from graphopt.generate import chat as tokens
-    from graphopt.generate.draft_model import LookupFirst, open_draft
     from graphopt.generate.loop import Decoder, generate
-    from graphopt.generate.speculative import speculative_generate
+    from graphopt.generate.speculative import make_draft, speculative_generate
     from graphopt.runtime.session import make_session
 
     tok = tokens.load_tokenizer(a.tokenizer)
@@ -72,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     for threads in [int(t) for t in a.threads.split(",")]:
         for model in a.models:
             dec = Decoder(make_session(model, threads=threads, spinning=False), name=str(model))
-            draft = open_draft(a.draft, dec, threads=threads) if a.draft else None
-            if draft is not None and a.speculative == "lookup":  # lookup where the text repeats, the model elsewhere
-                draft = LookupFirst(draft)
+            # made once per model (a draft model carries its acceptance across prompts); with --draft and
+            # --speculative lookup: lookup where the text repeats, the model elsewhere
+            draft = make_draft(a.speculative, dec, a.draft)
             for i, p in enumerate(prompts):
                 def plain(p=p, dec=dec):
                     return generate(dec, p["ids"], max_new_tokens=a.new, stop_ids=stops)

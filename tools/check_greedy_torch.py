@@ -2,13 +2,14 @@
 """Greedy tokens of graphopt decoders against transformers' fp32 ``generate``, on prompts nobody tuned on.
 
     python tools/check_greedy_torch.py --hf HF_DIR --tokenizer DIR MODEL.onnx [MODEL.onnx ...] \
-        [--prompts 20] [--prompt-tokens 32] [--new 128] [--text FILE] [--draft DRAFT.onnx [--speculative lookup]]
+        [--prompts 20] [--prompt-tokens 32] [--new 128] [--text FILE] [--draft DRAFT.onnx] [--speculative MODE]
 
 Prompts are consecutive slices of ``--text`` (default: the bundled held-out text of ``bench --generate``). Both
 sides mask the end-of-sequence token, so every prompt yields exactly ``--new`` tokens (transformers:
 ``min_new_tokens``). Prints, per model, how many prompts give identical tokens and the shortest common prefix;
 exits 1 when any prompt differs. ``--draft``: each model decodes speculatively with that draft decoder
-(``--speculative lookup``: prompt lookup first, the draft elsewhere), checked the same way.
+(``--speculative lookup``: prompt lookup first, the draft elsewhere), checked the same way; ``--speculative MODE``
+alone: with that draft mode (``auto``: the model's ``NAME.draft.onnx`` beside it, else its own drafts or lookup).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--draft", help="a draft decoder: speculative decoding with it")
-    ap.add_argument("--speculative", default="off", help="with --draft: off (the draft alone) or lookup")
+    ap.add_argument("--speculative", default="off",
+                    help="a draft mode (auto, heads, layer-skip, lookup); with --draft: off (the draft alone) or lookup")
     args = ap.parse_args(argv)
 
     import torch
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = False
     for path in args.models:
         dec = open_decoder(path, threads=1)
-        draft = make_draft(args.speculative, dec, args.draft) if args.draft else None
+        draft = make_draft(args.speculative, dec, args.draft) if args.draft or args.speculative != "off" else None
         prefixes = []
         for p, ref in zip(prompts, refs):
             if draft is not None:
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             prefixes.append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref))))
         same = sum(x == args.new for x in prefixes)
         bad |= same != len(prompts)
-        how = f" (speculative, draft {args.draft})" if draft is not None else ""
+        how = f" (speculative, {draft.name})" if draft is not None else ""
         print(f"{path}{how}: {same}/{len(prompts)} prompts x {args.new} tokens identical to transformers fp32; "
               f"shortest common prefix {min(prefixes)}")
     return 1 if bad else 0

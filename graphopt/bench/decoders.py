@@ -22,10 +22,9 @@ import numpy as np
 
 from graphopt.errors import UsageError
 from graphopt.generate.cache import new_cache
-from graphopt.generate.draft_model import LookupFirst, open_draft
 from graphopt.generate.loop import Decoder, generate
 from graphopt.generate.sampling import GREEDY
-from graphopt.generate.speculative import speculative_generate
+from graphopt.generate.speculative import make_draft, speculative_generate
 from graphopt.runtime.session import make_session
 
 
@@ -81,10 +80,10 @@ class GraphoptVariant(Variant):
                  speculative: str = "off", draft: str | None = None):
         self.name, self.model, self.threads, self.speculative = name, str(path), threads, speculative
         self.decoder = Decoder(make_session(path, threads=threads, spinning=False), name=str(path))
-        # a draft decoder file: loaded once, its measured acceptance carried from one generation to the next
-        self.draft = open_draft(draft, self.decoder, threads=threads) if draft else None
-        if self.draft is not None and speculative == "lookup+draft":
-            self.draft = LookupFirst(self.draft)  # prompt lookup where the text repeats, the draft model elsewhere
+        # the draft made once (a draft model loads once and carries its measured acceptance from one generation to
+        # the next); "lookup+draft": prompt lookup where the text repeats, the draft model elsewhere
+        mode = {"draft": "off", "lookup+draft": "lookup"}.get(speculative, speculative)
+        self.draft = make_draft(mode, self.decoder, draft) if speculative != "off" else None
         self.sampling = GREEDY.masking(list(stop_ids))
         sig = self.decoder.sig
         self.kv_bytes_per_token = 2 * sig.layers * sig.kv_heads * sig.head_dim * np.dtype(sig.dtype).itemsize
@@ -92,7 +91,7 @@ class GraphoptVariant(Variant):
     def generate(self, prompt: Sequence[int], max_new: int) -> Run:
         if self.speculative != "off":
             g = speculative_generate(self.decoder, list(prompt), max_new_tokens=max_new, sampling=self.sampling,
-                                     draft=self.draft or self.speculative)
+                                     draft=self.draft)
         else:
             g = generate(self.decoder, list(prompt), max_new_tokens=max_new, sampling=self.sampling)
         tokens = list(g.token_ids)
